@@ -31,6 +31,7 @@ _AREAS = [
     "flashdraft.info_cli",
     "flashdraft.data.cli",
     "flashdraft.train.cli",
+    "flashdraft.train.ops_cli",  # features dump, runs list/status/archive
     "flashdraft.eval.cli",
     "flashdraft.decode.cli",
     "flashdraft.serve.cli",
