@@ -63,7 +63,9 @@ def build_tree(draft_logits: torch.Tensor, budget: int) -> Tree:
     device = draft_logits.device
     if budget == 0 or num_slots == 0:
         empty = torch.empty(0, dtype=torch.long, device=device)
-        return Tree(empty, [-1], empty.clone(), torch.empty(0, dtype=torch.float32, device=device), empty.clone())
+        return Tree(
+            empty, [-1], empty.clone(), torch.empty(0, dtype=torch.float32, device=device), empty.clone()
+        )
     k = min(budget, vocab)  # no path holds more than `budget` nodes, so per-slot top-budget suffices
     logp = torch.log_softmax(draft_logits.float(), dim=-1)  # [L, V] full-vocabulary normalisation
     top_lp, top_ids = logp.topk(k, dim=-1)  # [L, k], sorted descending
@@ -134,7 +136,9 @@ def walk_tree(tree: Tree, target_choice: torch.Tensor | list[int]) -> list[int]:
     """
     choice = target_choice.tolist() if isinstance(target_choice, torch.Tensor) else list(target_choice)
     if len(choice) != tree.num_nodes + 1:
-        raise ValueError(f"target_choice has {len(choice)} entries for a tree of {tree.num_nodes} nodes + root")
+        raise ValueError(
+            f"target_choice has {len(choice)} entries for a tree of {tree.num_nodes} nodes + root"
+        )
     path = [0]
     node = 0
     while True:
