@@ -157,7 +157,9 @@ def document_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
 def compute_features(target, rows: TokenBatch, layer_ids: list[int]) -> FeatureBatch:  # type: ignore[no-untyped-def]
     """One target pass over packed rows → raw selected-layer features [R, S, k·H] (no logits)."""
     device = target.device
-    mask = attention_mask_for(document_causal_mask(rows.doc_ids).to(device), target.attn_implementation, target.dtype)
+    mask = attention_mask_for(
+        document_causal_mask(rows.doc_ids).to(device), target.attn_implementation, target.dtype
+    )
     out = target.forward(
         rows.input_ids.to(device),
         layer_ids=list(layer_ids),

@@ -38,7 +38,9 @@ class Anchors:
 def valid_anchor_positions(loss_mask: torch.Tensor, doc_ids: torch.Tensor) -> torch.Tensor:
     """bool [R, S]: a with loss_mask[a] and loss_mask[a+1], both in the same (real) document."""
     ok = torch.zeros_like(loss_mask)
-    ok[:, :-1] = loss_mask[:, :-1] & loss_mask[:, 1:] & (doc_ids[:, :-1] == doc_ids[:, 1:]) & (doc_ids[:, :-1] >= 0)
+    ok[:, :-1] = (
+        loss_mask[:, :-1] & loss_mask[:, 1:] & (doc_ids[:, :-1] == doc_ids[:, 1:]) & (doc_ids[:, :-1] >= 0)
+    )
     return ok
 
 
@@ -131,7 +133,9 @@ def build_blocks(batch: FeatureBatch, anchors: Anchors, block_size: int, mask_to
     labels = torch.where(has_label, gather(batch.input_ids), torch.full_like(idx, IGNORE))  # [R, N, B]
     block_ids = torch.full((r, n, b), mask_token_id, dtype=torch.long)
     block_ids[:, :, 0] = batch.input_ids.gather(1, anchors.positions)  # slot 0 = the anchor token x[a]
-    block_pos = batch.position_ids.gather(1, anchors.positions)[:, :, None] + k  # [R, N, B] document positions
+    block_pos = (
+        batch.position_ids.gather(1, anchors.positions)[:, :, None] + k
+    )  # [R, N, B] document positions
     position_ids = torch.cat([batch.position_ids, block_pos.view(r, n * b)], dim=1)  # [R, S + N·B]
     labels = labels.view(r, n * b)
     return DraftBatch(
@@ -187,4 +191,6 @@ def flex_block_mask(draft: DraftBatch, device: torch.device | str | None = None)
 
     r, q = draft.block_ids.shape
     dev = device if device is not None else draft.anchors.device
-    return create_block_mask(block_mask_mod(draft), B=r, H=None, Q_LEN=q, KV_LEN=draft.context_len + q, device=dev)
+    return create_block_mask(
+        block_mask_mod(draft), B=r, H=None, Q_LEN=q, KV_LEN=draft.context_len + q, device=dev
+    )

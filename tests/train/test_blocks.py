@@ -8,8 +8,8 @@ from torch.nn.attention.flex_attention import create_mask
 from flashdraft.train.batch import pack_rows, plan_micro_batches
 from flashdraft.train.blocks import (
     IGNORE,
-    AnchorSampler,
     Anchors,
+    AnchorSampler,
     block_mask_mod,
     build_blocks,
     dense_block_mask,
@@ -76,7 +76,9 @@ def test_labels_are_same_position_not_shifted_and_dropped_outside_mask():
     docs = make_docs([12, 10], seed=2, prompt_frac=0.25)  # doc0: prompt 3, doc1: prompt 2
     fb = fake_features(pack_rows([[docs[0], docs[1]]], 64))
     x = fb.input_ids[0]
-    anchors = Anchors(torch.tensor([[4, 9, 14]]), torch.tensor([[0, 0, 12]]), torch.tensor([[True, True, True]]))
+    anchors = Anchors(
+        torch.tensor([[4, 9, 14]]), torch.tensor([[0, 0, 12]]), torch.tensor([[True, True, True]])
+    )
     d = build_blocks(fb, anchors, block_size=4, mask_token_id=MASK)
     blocks = d.block_ids.view(3, 4)
     labels = d.labels.view(3, 4)
