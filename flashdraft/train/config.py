@@ -1,0 +1,143 @@
+"""The training run config: nested dataclasses, loaded strictly by `flashdraft.config`.
+
+    flashdraft train configs/smollm2-b16.yaml optim.lr=3e-4 data.max_anchors=1024
+
+Every default that needs a reason says it in a comment. `validate()` turns impossible
+combinations into one-line errors that name the field and the fix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from flashdraft.config import ConfigError
+
+
+@dataclass
+class ModelConfig:
+    target: str = "default"  # HF folder / hub id / .gguf / "default" (embedded SmolLM2-135M-Instruct)
+    target_dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU (the target is frozen)
+    num_layers: int = 5  # drafter depth; the public b16 drafters use 5 for 8B targets
+    block_size: int = 16  # B; the public drafters are b16
+    num_attention_heads: int | None = None  # None: copy the target's
+    num_key_value_heads: int | None = None  # None: copy the target's
+    head_dim: int | None = None  # None: copy the target's
+    intermediate_size: int | None = None  # None: copy the target's
+    target_layer_ids: list[int] | None = None  # None: DESIGN.md §1 default (evenly from 1 to L_t − 3)
+    mask_token_id: int | None = None  # None: flashdraft.target.default_mask_token_id
+    init_std: float = 0.02  # random init of the drafter's linears (the paper trains from scratch)
+    init_from: str | None = None  # a DFlash drafter folder to start from instead of random weights
+
+
+@dataclass
+class DataConfig:
+    dataset: str = (
+        ""  # a flashdraft dataset folder (flashdraft.data), or a .jsonl of {id, input_ids, loss_mask}
+    )
+    split: str = "train"
+    max_length: int = 3072  # paper recipe; longer documents are truncated
+    token_budget: int = 16384  # target tokens per micro-batch (rows of max_length); the main memory knob
+    max_anchors: int = 512  # per document (paper: 512; 1024 is a common larger setting)
+    shuffle: bool = True  # a fresh seeded order every epoch
+    pad_multiple: int = 64  # pad row length so compiled kernels see few distinct shapes
+
+
+@dataclass
+class LossConfig:
+    gamma: float | None = None  # None: 7 / 5 / 4 for B = 16 / 10 / 8 (paper)
+    chunk_tokens: int = 4096  # labelled tokens per lm_head chunk: bounds the [chunk, V] float32 logits
+    feature_noise: float = 0.0  # relative Gaussian noise on the drafter's copy of the features (off: paper)
+    embedding_noise: float = 0.0  # relative Gaussian noise on the block embeddings (off: paper)
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 6e-4  # paper recipe
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # common for transformer pretraining
+    weight_decay: float = 0.0  # the paper does not report decay; keep the drafter unregularised
+    warmup_ratio: float = 0.04  # paper: 4% warmup
+    min_lr_ratio: float = 0.0  # cosine decays to lr × this
+    grad_clip: float = 1.0  # paper recipe
+    epochs: int = 6  # paper: ~6 epochs
+    max_steps: int | None = None  # overrides epochs when set (optimizer steps)
+    grad_accum: int = 1  # micro-batches per optimizer step
+    max_bad_steps: int = 5  # stop after this many NaN/inf steps in a row
+
+
+@dataclass
+class RuntimeConfig:
+    device: str = "auto"  # auto: cuda if available, else cpu
+    dtype: str = "auto"  # auto: bf16 autocast with fp32 master weights on CUDA, float32 on CPU
+    seed: int = 0
+    deterministic: bool = False  # torch.use_deterministic_algorithms; CPU runs are reproducible either way
+    compile: bool = True  # torch.compile the drafter on CUDA (compiled FlexAttention); ignored on CPU
+    attention: str = "auto"  # auto: flex on CUDA, dense bool mask on CPU; or "flex" / "dense"
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 1000  # optimizer steps between checkpoints (SIGUSR1 writes one at the next step)
+    keep_last: int = 3  # older ones are deleted, except the best by eval (eval/log.jsonl)
+    best_metric: str = "tau_chain"  # eval/log.jsonl field that picks the checkpoint kept as best
+
+
+@dataclass
+class TelemetryConfig:
+    log_every: int = 10  # steps per logged line: metrics are read off the device once per interval
+    tensorboard: bool = True
+    wandb_project: str | None = None  # Weights & Biases when set (needs `wandb`; never required)
+    progress: bool = True  # a tqdm bar on stderr
+
+
+@dataclass
+class TrainConfig:
+    run_dir: str = "runs/default"  # the run folder (layout: flashdraft/train/checkpoint.py)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+
+    def validate(self) -> None:
+        """Field-level checks that do not need the target (check_pair covers the rest)."""
+        d, o, m = self.data, self.optim, self.model
+        if not d.dataset:
+            raise ConfigError("data.dataset is empty: set it to a dataset folder or a .jsonl file")
+        if d.max_length < 2:
+            raise ConfigError(f"data.max_length {d.max_length} must be >= 2")
+        if d.token_budget < 1:
+            raise ConfigError(f"data.token_budget {d.token_budget} must be >= 1")
+        if d.max_anchors < 1:
+            raise ConfigError(f"data.max_anchors {d.max_anchors} must be >= 1")
+        if m.block_size < 2:
+            raise ConfigError(f"model.block_size {m.block_size} must be >= 2 (slot 0 is the anchor)")
+        if m.num_layers < 1:
+            raise ConfigError(f"model.num_layers {m.num_layers} must be >= 1")
+        if self.loss.gamma is None and m.block_size not in (16, 10, 8):
+            raise ConfigError(
+                f"model.block_size {m.block_size} has no default loss decay: set loss.gamma (e.g. loss.gamma=5)"
+            )
+        if self.loss.gamma is not None and self.loss.gamma <= 0:
+            raise ConfigError(f"loss.gamma {self.loss.gamma} must be > 0")
+        if o.lr <= 0:
+            raise ConfigError(f"optim.lr {o.lr} must be > 0")
+        if len(o.betas) != 2 or not all(0 <= b < 1 for b in o.betas):
+            raise ConfigError(f"optim.betas {o.betas} must be two numbers in [0, 1)")
+        if not 0 <= o.warmup_ratio < 1:
+            raise ConfigError(f"optim.warmup_ratio {o.warmup_ratio} must be in [0, 1)")
+        if o.grad_accum < 1:
+            raise ConfigError(f"optim.grad_accum {o.grad_accum} must be >= 1")
+        if o.max_steps is None and o.epochs < 1:
+            raise ConfigError(f"optim.epochs {o.epochs} must be >= 1 (or set optim.max_steps)")
+        if o.max_steps is not None and o.max_steps < 1:
+            raise ConfigError(f"optim.max_steps {o.max_steps} must be >= 1")
+        if self.runtime.dtype not in ("auto", "float32", "float64", "bfloat16"):
+            raise ConfigError(f"runtime.dtype {self.runtime.dtype!r}: use auto, float32, float64 or bfloat16")
+        if self.runtime.attention not in ("auto", "flex", "dense"):
+            raise ConfigError(f"runtime.attention {self.runtime.attention!r}: use auto, flex or dense")
+        if self.checkpoint.every < 1 or self.checkpoint.keep_last < 1:
+            raise ConfigError("checkpoint.every and checkpoint.keep_last must be >= 1")
+        if self.telemetry.log_every < 1:
+            raise ConfigError(f"telemetry.log_every {self.telemetry.log_every} must be >= 1")

@@ -1,0 +1,167 @@
+"""The drafter loss: decayed hard cross-entropy through the target's frozen lm_head (DESIGN.md §2).
+
+    weights = slot_weights(block_size=16)                       # [B]: 0, 1, e^(-1/7), ...
+    denom = loss_denominator([draft1, draft2], weights)          # Σw over the global batch
+    out = drafter_loss(hidden, draft, target.lm_head.weight, weights, denom)
+    out.loss.backward()
+
+Labels are the data token ids (the target's own output); no target logits are computed.
+The [tokens, vocab] logits never exist at once: `LinearCrossEntropy` walks the labelled
+tokens in chunks and computes the input gradient chunk by chunk in the forward pass.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from flashdraft.train.blocks import IGNORE, DraftBatch
+
+DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}  # the paper's decay per block size
+
+
+def default_gamma(block_size: int) -> float:
+    if block_size not in DEFAULT_GAMMA:
+        raise ValueError(
+            f"no default loss decay γ for block_size {block_size} (known: {sorted(DEFAULT_GAMMA)}): "
+            "set loss.gamma in the config"
+        )
+    return DEFAULT_GAMMA[block_size]
+
+
+def slot_weights(block_size: int, gamma: float | None = None) -> torch.Tensor:
+    """[B] float32: w_0 = 0 (slot 0 has no loss), w_k = exp(−(k−1)/γ) for k ≥ 1."""
+    g = default_gamma(block_size) if gamma is None else float(gamma)
+    if g <= 0:
+        raise ValueError(f"loss.gamma {g} must be > 0")
+    w = torch.tensor([0.0] + [math.exp(-(k - 1) / g) for k in range(1, block_size)], dtype=torch.float32)
+    return w
+
+
+def loss_denominator(drafts: list[DraftBatch], weights: torch.Tensor) -> torch.Tensor:
+    """Σw over every labelled slot of the global batch (all micro-batches, all ranks).
+
+    Labels are known before any forward, so the denominator is exact before the first backward.
+    """
+    total = torch.zeros((), dtype=torch.float64)
+    for d in drafts:
+        slots = d.slots.cpu()[None].expand_as(d.labels)  # [R, N·B]
+        total += weights.double()[slots][d.labels.cpu() != IGNORE].sum()
+    if dist.is_available() and dist.is_initialized():
+        backend = dist.get_backend()
+        dev = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        t = total.to(dev)
+        dist.all_reduce(t)
+        total = t.cpu()
+    return total
+
+
+class LinearCrossEntropy(torch.autograd.Function):
+    """Σ_t w_t · CE(hidden_t @ weightᵀ, label_t), chunked over tokens; `weight` is frozen.
+
+    Forward computes each chunk's logits in float32, its CE, its argmax and — when the input
+    needs a gradient — d(sum)/d(hidden) for the chunk, then drops the logits. Backward only
+    scales the stored input gradient. Peak extra memory: one [chunk, V] float32 block.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx,  # noqa: ANN001
+        hidden: torch.Tensor,  # [T, H]
+        weight: torch.Tensor,  # [V, H] frozen lm_head
+        labels: torch.Tensor,  # [T] long
+        token_weights: torch.Tensor,  # [T] float
+        chunk: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        t = hidden.shape[0]
+        need_grad = ctx.needs_input_grad[0]
+        grad = torch.empty_like(hidden) if need_grad else None
+        acc = torch.promote_types(hidden.dtype, torch.float32)  # float32, or float64 for exact tests
+        ce = torch.empty(t, dtype=acc, device=hidden.device)
+        pred = torch.empty(t, dtype=torch.long, device=hidden.device)
+        w_mat = weight if hidden.dtype == weight.dtype else weight.to(hidden.dtype)
+        for i in range(0, t, chunk):
+            h = hidden[i : i + chunk]
+            logits = (h @ w_mat.t()).to(acc)  # [c, V]
+            lse = torch.logsumexp(logits, dim=-1)  # [c]
+            lab = labels[i : i + chunk]
+            ce[i : i + chunk] = lse - logits.gather(1, lab[:, None]).squeeze(1)
+            pred[i : i + chunk] = logits.argmax(-1)
+            if grad is not None:
+                p = torch.softmax(logits, dim=-1)  # d CE / d logits = softmax − onehot
+                p.scatter_add_(1, lab[:, None], torch.full_like(p[:, :1], -1.0))
+                p.mul_(token_weights[i : i + chunk, None].to(acc))
+                grad[i : i + chunk] = (p.to(w_mat.dtype) @ w_mat).to(hidden.dtype)  # [c, H]
+            del logits
+        total = (ce * token_weights.to(acc)).sum()
+        ctx.save_for_backward(grad if grad is not None else torch.empty(0))
+        ctx.mark_non_differentiable(ce, pred)
+        return total, ce, pred
+
+    @staticmethod
+    def backward(ctx, g_total: torch.Tensor, _g_ce: torch.Tensor, _g_pred: torch.Tensor):  # type: ignore[override]  # noqa: ANN001, ANN205
+        (grad,) = ctx.saved_tensors
+        return grad * g_total.to(grad.dtype), None, None, None, None
+
+
+@dataclass
+class LossOutput:
+    """The loss (with grad) and detached per-slot statistics (device tensors: no host sync)."""
+
+    loss: torch.Tensor  # scalar: this micro-batch's share of Σ w·CE / Σw_global
+    weighted_ce: torch.Tensor  # scalar Σ w·CE (detached)
+    slot_correct: torch.Tensor  # [B] float count of correct predictions per slot
+    slot_count: torch.Tensor  # [B] float count of labelled slots
+    streak_sum: torch.Tensor  # scalar Σ over valid blocks of the leading run of correct slots
+    num_blocks: torch.Tensor  # scalar number of valid blocks
+
+
+def drafter_loss(
+    hidden: torch.Tensor,  # [R, N·B, H] drafter output (final-normed)
+    draft: DraftBatch,  # on hidden's device
+    lm_head_weight: torch.Tensor,  # [V, H] the target's frozen head
+    weights: torch.Tensor,  # [B] slot weights
+    denominator: torch.Tensor,  # Σw over the global batch (see loss_denominator)
+    chunk_tokens: int = 4096,
+) -> LossOutput:
+    r, q, h = hidden.shape
+    b = draft.block_size
+    device = hidden.device
+    slots = draft.slots  # [N·B]
+    flat_slots = slots[None].expand(r, q).reshape(-1)  # [R·N·B]
+    idx = draft.label_index  # [T]
+    labels = draft.labels.reshape(-1).index_select(0, idx)  # [T]
+    tok_w = weights.to(device)[flat_slots.index_select(0, idx)]  # [T]
+    sel = hidden.reshape(r * q, h).index_select(0, idx)  # [T, H]
+    total, ce, pred = LinearCrossEntropy.apply(sel, lm_head_weight, labels, tok_w, chunk_tokens)
+    # DDP averages gradients over ranks: scale by world size so the result is Σ w·CE / Σw_global
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    loss = total * (world / denominator.to(device=device, dtype=total.dtype))
+    correct = (pred == labels).float()  # [T]
+    slot_of = flat_slots.index_select(0, idx)
+    slot_correct = torch.zeros(b, device=device).index_add_(0, slot_of, correct)
+    slot_count = torch.zeros(b, device=device).index_add_(0, slot_of, torch.ones_like(correct))
+    # τ proxy: per block, the run of correct slots from slot 1 (an unlabelled slot ends it)
+    grid = torch.zeros(r * q, device=device).index_copy_(0, idx, correct).view(r, -1, b)  # [R, N, B]
+    streak = grid[:, :, 1:].cumprod(-1).sum(-1)  # [R, N]
+    valid = draft.valid.to(device)
+    return LossOutput(
+        loss=loss,
+        weighted_ce=total.detach(),
+        slot_correct=slot_correct,
+        slot_count=slot_count,
+        streak_sum=(streak * valid).sum(),
+        num_blocks=valid.sum().float(),
+    )
+
+
+def add_noise(x: torch.Tensor, std: float, generator: torch.Generator | None = None) -> torch.Tensor:
+    """A noisy copy of what the drafter is fed: x + std · rms(x) · ε per vector. Never in place."""
+    if std <= 0:
+        return x
+    rms = x.detach().float().pow(2).mean(-1, keepdim=True).sqrt()
+    eps = torch.randn(x.shape, generator=generator, device=x.device, dtype=torch.float32)
+    return (x.float() + std * rms * eps).to(x.dtype)

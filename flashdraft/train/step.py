@@ -1,0 +1,64 @@
+"""One micro-batch through the drafter: block embeddings, optional noise, mask, forward, loss.
+
+    draft = build_blocks(batch, anchors, B, mask_token_id).to(device)
+    out = micro_step(drafter, target, batch, draft, weights, denom, attention="dense")
+    out.loss.backward()
+
+The target is only read here (frozen embedding and head); `batch.features` is never
+modified: noise goes into a copy that only the drafter sees.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from flashdraft.train.batch import FeatureBatch
+from flashdraft.train.blocks import DraftBatch, dense_block_mask, flex_block_mask
+from flashdraft.train.loss import LossOutput, add_noise, drafter_loss
+
+
+@dataclass
+class NoiseSettings:
+    feature_std: float = 0.0  # relative noise on the drafter's copy of the context features
+    embedding_std: float = 0.0  # relative noise on the block embeddings
+
+
+def block_attention_mask(draft: DraftBatch, attention: str, device: torch.device) -> Any:
+    """The drafter step's mask in the form the attention path takes ("flex" or "dense")."""
+    if attention == "flex":
+        return flex_block_mask(draft, device)
+    return dense_block_mask(draft)
+
+
+def micro_step(
+    drafter: torch.nn.Module,  # DFlashDrafter, or the same wrapped in DDP/FSDP/compile
+    target: Any,  # TargetModel (frozen embed_tokens and lm_head)
+    batch: FeatureBatch,
+    draft: DraftBatch,  # already on the drafter's device
+    weights: torch.Tensor,  # [B] slot weights
+    denominator: torch.Tensor,  # Σw over the global batch
+    *,
+    attention: str = "dense",
+    noise: NoiseSettings | None = None,
+    chunk_tokens: int = 4096,
+    compute_dtype: torch.dtype | None = None,  # bf16 → autocast (fp32 master weights stay in the optimizer)
+) -> LossOutput:
+    device = draft.block_ids.device
+    noise = noise or NoiseSettings()
+    with torch.no_grad():
+        emb = target.embed_tokens(draft.block_ids)  # [R, N·B, H] frozen target embedding
+    feats = batch.features.to(device, non_blocking=True)  # [R, S, k·H]
+    param_dtype = next(drafter.parameters()).dtype
+    if compute_dtype is None or compute_dtype == param_dtype:
+        # no autocast: the drafter's weights and inputs share one dtype
+        feats, emb = feats.to(param_dtype), emb.to(param_dtype)
+    feats = add_noise(feats, noise.feature_std)  # a copy: batch.features is untouched
+    emb = add_noise(emb, noise.embedding_std)
+    mask = block_attention_mask(draft, attention, device)
+    use_autocast = compute_dtype is not None and compute_dtype != param_dtype
+    with torch.autocast(device.type, dtype=compute_dtype or param_dtype, enabled=use_autocast):
+        hidden = drafter(feats, emb, draft.position_ids, mask)  # [R, N·B, H]
+        return drafter_loss(hidden, draft, target.lm_head.weight, weights, denominator, chunk_tokens)

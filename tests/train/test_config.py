@@ -1,0 +1,66 @@
+"""TrainConfig: YAML + overrides, strict keys, errors that name the field and the fix."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from flashdraft.config import ConfigError, load_config, save_config
+from flashdraft.train.config import TrainConfig
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+def test_defaults_are_the_paper_recipe():
+    cfg = TrainConfig()
+    assert cfg.optim.lr == 6e-4 and cfg.optim.warmup_ratio == 0.04 and cfg.optim.grad_clip == 1.0
+    assert cfg.data.max_anchors == 512 and cfg.data.max_length == 3072 and cfg.model.block_size == 16
+
+
+def test_yaml_and_overrides_round_trip(tmp_path):
+    p = tmp_path / "run.yaml"
+    p.write_text("run_dir: runs/x\nmodel:\n  num_layers: 3\ndata:\n  dataset: d\n")
+    cfg = load_config(TrainConfig, p, ["optim.lr=3e-4", "model.target_layer_ids=[1,2]", "optim.max_steps=10"])
+    assert cfg.model.num_layers == 3 and cfg.optim.lr == 3e-4 and cfg.model.target_layer_ids == [1, 2]
+    assert cfg.optim.max_steps == 10
+    cfg.validate()
+    save_config(cfg, tmp_path / "saved.yaml")
+    assert load_config(TrainConfig, tmp_path / "saved.yaml") == cfg
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["optim.lrr=1"], "did you mean 'lr'"),
+        (["modle.num_layers=2"], "did you mean 'model'"),
+        (["optim.lr=fast"], "optim.lr: expected a number"),
+        (["data.max_anchors=1.5"], "data.max_anchors: expected an integer"),
+    ],
+)
+def test_unknown_keys_and_bad_values_are_errors(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(TrainConfig, None, overrides)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ([], "data.dataset is empty"),
+        (["data.dataset=x", "model.block_size=12"], "set loss.gamma"),
+        (["data.dataset=x", "optim.betas=[0.9]"], "optim.betas"),
+        (["data.dataset=x", "data.max_anchors=0"], "data.max_anchors 0 must be >= 1"),
+        (["data.dataset=x", "runtime.attention=magic"], "runtime.attention"),
+    ],
+)
+def test_validate_names_the_field(overrides, message):
+    cfg = load_config(TrainConfig, None, overrides)
+    with pytest.raises(ConfigError, match=message):
+        cfg.validate()
+
+
+def test_shipped_configs_load():
+    files = sorted(CONFIGS.glob("*.yaml"))
+    assert files, "configs/ has no example config"
+    for f in files:
+        load_config(TrainConfig, f).validate()

@@ -1,0 +1,124 @@
+"""Decayed hard CE: weights, exactness against a naive full-logits loss, metrics, gradients, noise."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from flashdraft.train.batch import pack_rows
+from flashdraft.train.blocks import IGNORE, Anchors, AnchorSampler, build_blocks, dense_block_mask
+from flashdraft.train.loss import drafter_loss, loss_denominator, slot_weights
+from flashdraft.train.step import NoiseSettings, micro_step
+from tests.conftest import tiny_drafter, tiny_target
+from tests.train.helpers import fake_features, features_for, make_docs
+
+
+def test_slot_weights():
+    w = slot_weights(16)
+    assert w[0] == 0 and w[1] == 1
+    assert math.isclose(float(w[2]), math.exp(-1 / 7), rel_tol=1e-6)
+    assert math.isclose(float(w[15]), math.exp(-14 / 7), rel_tol=1e-6)
+    assert math.isclose(float(slot_weights(10)[3]), math.exp(-2 / 5), rel_tol=1e-6)
+    assert math.isclose(float(slot_weights(8)[7]), math.exp(-6 / 4), rel_tol=1e-6)
+    assert math.isclose(float(slot_weights(12, gamma=3.0)[4]), math.exp(-3 / 3), rel_tol=1e-6)
+    with pytest.raises(ValueError, match="loss.gamma"):
+        slot_weights(12)
+
+
+def _case(seed: int = 0, b: int = 4):
+    docs = make_docs([20, 14, 17], seed=seed)
+    fb = fake_features(pack_rows([[docs[0], docs[1]], [docs[2]]], 40))
+    draft = build_blocks(fb, AnchorSampler(seed).sample(fb, 5), block_size=b, mask_token_id=96)
+    return fb, draft
+
+
+def test_loss_matches_naive_weighted_ce_and_its_gradient():
+    torch.manual_seed(0)
+    _, draft = _case()
+    r, q = draft.block_ids.shape
+    hidden = torch.randn(r, q, 16, dtype=torch.float64, requires_grad=True)
+    head = torch.randn(97, 16, dtype=torch.float64)
+    w = slot_weights(4, gamma=2.0).double()
+    denom = loss_denominator([draft], w)
+    out = drafter_loss(hidden, draft, head, w, denom, chunk_tokens=7)  # chunks smaller than T
+    out.loss.backward()
+    g_chunked = hidden.grad.clone()
+    # naive: full logits, per-token CE, weights by slot, normalised by Σw
+    hidden.grad = None
+    logits = hidden @ head.t()  # [R, Q, V]
+    labels = draft.labels
+    slots = torch.arange(q) % 4
+    tok_w = w[slots][None].expand(r, q) * (labels != IGNORE)
+    ce = F.cross_entropy(logits.reshape(-1, 97), labels.reshape(-1).clamp(min=0), reduction="none").view(r, q)
+    naive = (tok_w * ce).sum() / tok_w.sum()
+    naive.backward()
+    torch.testing.assert_close(out.loss, naive, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(g_chunked, hidden.grad, rtol=1e-10, atol=1e-12)
+    # slot 0 never counts; per-slot counts match the labels
+    assert out.slot_count[0] == 0
+    assert out.slot_count.sum() == (labels != IGNORE).sum()
+
+
+def test_slot_accuracy_and_tau_proxy():
+    fb = fake_features(pack_rows([make_docs([12], seed=1, prompt_frac=0.0)], 16))
+    anchors = Anchors(torch.tensor([[0, 4]]), torch.tensor([[0, 0]]), torch.tensor([[True, True]]))
+    draft = build_blocks(fb, anchors, block_size=4, mask_token_id=96)
+    head = torch.eye(97, dtype=torch.float64)[:, :97]  # hidden one-hot → logits one-hot
+    hidden = torch.zeros(1, 8, 97, dtype=torch.float64)
+    labels = draft.labels[0]
+    # block 0: slots 1, 2 correct, slot 3 wrong → streak 2; block 1: slot 1 wrong → streak 0
+    for i, ok in zip([1, 2, 3, 5, 6, 7], [True, True, False, False, True, True], strict=True):
+        tok = int(labels[i]) if ok else (int(labels[i]) + 1) % 97
+        hidden[0, i, tok] = 10.0
+    w = slot_weights(4, gamma=4.0).double()
+    out = drafter_loss(hidden, draft, head, w, loss_denominator([draft], w))
+    assert out.slot_correct.tolist() == [0, 1, 2, 1]
+    assert out.slot_count.tolist() == [0, 2, 2, 2]
+    assert float(out.streak_sum) == 2 and float(out.num_blocks) == 2  # τ proxy = 2/2 + 1 = 2
+
+
+def test_every_fused_layer_receives_gradient(family):
+    t = tiny_target(family)
+    drafter = tiny_drafter(t, layers=2, block_size=4, target_layer_ids=[0, 2, 3, 5]).train()
+    docs = make_docs([18, 12], seed=2)
+    fb = features_for(t, [[docs[0], docs[1]]], drafter.target_layer_ids, max_length=32)
+    draft = build_blocks(fb, AnchorSampler(0).sample(fb, 4), 4, drafter.mask_token_id)
+    w = slot_weights(4, gamma=4.0).double()
+    out = micro_step(drafter, t, fb, draft, w, loss_denominator([draft], w))
+    out.loss.backward()
+    g = drafter.fc.weight.grad  # [H, k·H]
+    h = t.hidden_size
+    for j in range(len(drafter.target_layer_ids)):
+        assert g[:, j * h : (j + 1) * h].abs().sum() > 0, f"fused layer {j} got no gradient"
+    for name, p in drafter.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, name
+
+
+def test_noise_touches_only_the_drafter_inputs():
+    t = tiny_target("llama")
+    drafter = tiny_drafter(t, block_size=4).train()
+    docs = make_docs([18, 12], seed=3)
+    fb = features_for(t, [[docs[0], docs[1]]], drafter.target_layer_ids, max_length=32)
+    feats_before = fb.features.clone()
+    ids = fb.input_ids.clone()
+    logits_before = t.forward(ids, logits="all").logits.clone()
+    draft = build_blocks(fb, AnchorSampler(0).sample(fb, 4), 4, drafter.mask_token_id)
+    labels_before = draft.labels.clone()
+    w = slot_weights(4, gamma=4.0).double()
+    denom = loss_denominator([draft], w)
+    clean = micro_step(drafter, t, fb, draft, w, denom)
+    torch.manual_seed(0)
+    noisy = micro_step(
+        drafter, t, fb, draft, w, denom, noise=NoiseSettings(feature_std=0.5, embedding_std=0.5)
+    )
+    noisy.loss.backward()
+    assert abs(float(noisy.loss) - float(clean.loss)) > 1e-6  # the noise did reach the drafter
+    assert torch.equal(fb.features, feats_before)
+    assert torch.equal(draft.labels, labels_before)
+    assert torch.equal(t.forward(ids, logits="all").logits, logits_before)
+    assert all(p.grad is None for p in t.model.parameters())
+    # and the mask used is the dense one of the batch (sanity: shapes line up)
+    assert dense_block_mask(draft).shape[-1] == fb.features.shape[1] + draft.block_ids.shape[1]
