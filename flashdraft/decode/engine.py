@@ -1,0 +1,592 @@
+"""The fast single-stream decode engine: static KV caches + CUDA graphs, token-identical to `generate`.
+
+Same call and same `GenerationResult` as the reference decoder (flashdraft/decode/generate.py):
+
+    engine = FastEngine(target, drafter, max_len=4096)
+    result = engine.generate(ids, max_new_tokens=256, method="ddtree", budget=64)
+    result = flashdraft.decode.engine.generate(target, drafter, ids, max_new_tokens=256)  # cached engine
+
+A round is a fixed sequence of phases over static buffers, each captured once as a CUDA graph
+(eager on CPU — the same code):
+
+    draft   feed the pending context rows (≤ B, padded) to the drafter cache, run the block,
+            keep the head's logits for slots 1..B−1                       [drafter forward]
+    tree    (DDTree) build the tree ON THE DEVICE (`build_tree_device`, same nodes and order as
+            `flashdraft.tree.build_tree`), write tokens / positions / mask in place
+    verify  the native target forward at q = B (chain), budget+1 (tree) or 1 (AR), then the
+            target's token choice (`choose_tokens`, the reference's function)
+    commit  acceptance, the path's K/V gathered into place, state advanced — all on the device
+
+The only host read per round is `out.tolist()` (accepted length + committed tokens), in
+`_read_round`: stop tokens and `max_new_tokens` are applied on the host afterwards, exactly as
+the reference does (generation ends at a truncated round, so the device state past it is moot).
+Rows of the static caches past the committed length hold stale K/V; every mask hides them and
+the next round overwrites them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from flashdraft.decode.generate import METHODS, GenerationResult, Timings, _prepare_ids, _truncate
+from flashdraft.decode.native import NativeDrafter, NativeTarget, native_support_error
+from flashdraft.decode.sampling import SamplingParams, choose_tokens
+from flashdraft.drafter import DFlashDrafter
+from flashdraft.target import TargetModel, check_pair
+
+# ----------------------------------------------------------------------------- device tree
+
+
+@dataclass
+class TreePlan:
+    """Fixed index tables for building a `budget`-node tree over `num_slots` slots on the device.
+
+    A node at depth d is (r, t): the r-th best depth-(d−1) prefix extended by the slot's t-th best
+    token. Its score is S[r] + lq[t], so every (r', t') with r' ≤ r, t' ≤ t ranks before it:
+    only pairs with (r+1)(t+1) ≤ budget can make a depth's top `budget` (≈ budget·ln budget pairs).
+    Pairs are listed t-major so a stable sort breaks score ties by (rank, parent), like the heap.
+    """
+
+    budget: int
+    num_slots: int
+    k: int  # tokens kept per slot: min(budget, V)
+    pair_t: torch.Tensor  # [M] token rank in its slot
+    pair_r: torch.Tensor  # [M] parent position in the previous depth's list
+
+    @classmethod
+    def make(cls, budget: int, num_slots: int, vocab: int, device: torch.device) -> TreePlan:
+        if budget < 1:
+            raise ValueError(f"budget {budget} must be >= 1 for a tree round (use method='chain' or 'ar')")
+        k = min(budget, vocab)
+        prefixes = sum(k**d for d in range(1, min(num_slots, 12) + 1))  # capped: only "enough?" matters
+        if prefixes < budget:
+            raise ValueError(
+                f"budget {budget} exceeds the {prefixes} prefixes a {num_slots}-slot block over {vocab} tokens "
+                "has: lower the budget"
+            )
+        ts, rs = [], []
+        for t in range(k):
+            for r in range(budget // (t + 1)):  # (r + 1)(t + 1) <= budget
+                ts.append(t)
+                rs.append(r)
+        as_long = dict(dtype=torch.long, device=device)
+        return cls(budget, num_slots, k, torch.tensor(ts, **as_long), torch.tensor(rs, **as_long))
+
+
+@dataclass
+class DeviceTree:
+    """The tree as fixed-shape device tensors; node 0 is the root, nodes 1..N in build_tree's order."""
+
+    tokens: torch.Tensor  # [N] node i's token is tokens[i − 1]
+    parents: torch.Tensor  # [N+1] parents[0] = 0 (the root points at itself)
+    depths: torch.Tensor  # [N+1] root 0
+    log_probs: torch.Tensor  # float64 [N] cumulative log Q
+
+
+def build_tree_device(draft_logits: torch.Tensor, plan: TreePlan) -> DeviceTree:
+    """`flashdraft.tree.build_tree` without the host: same nodes, same order, same parents.
+
+    Depth by depth, the best `budget` prefixes of each depth (a stable sort of the candidate
+    pairs), then a stable sort of all depths' lists (depth-major, so ties go to the shallower
+    node). Scores are float64 sums of float32 log-softmax values, root first — bit-identical to
+    the heap's Python floats. No host sync, fixed shapes: capturable in a CUDA graph.
+    """
+    n, num_slots = plan.budget, plan.num_slots
+    device = draft_logits.device
+    logp = torch.log_softmax(draft_logits.float(), dim=-1)  # [L, V] as build_tree computes it
+    top_lp, top_ids = logp.topk(plan.k, dim=-1)  # [L, k] sorted descending (rank = column)
+    lq = top_lp.double()  # [L, k]
+    scores = torch.full((num_slots, n), float("-inf"), dtype=torch.float64, device=device)  # per-depth lists
+    ranks = torch.zeros(num_slots, n, dtype=torch.long, device=device)  # token rank t per entry
+    parent_pos = torch.zeros(num_slots, n, dtype=torch.long, device=device)  # r per entry (depth 1: unused)
+    scores[0, : plan.k] = lq[0] + 0.0  # depth 1: the slot's top tokens, already in (score, rank) order
+    ranks[0, : plan.k] = torch.arange(plan.k, device=device)
+    for d in range(1, num_slots):
+        cand = scores[d - 1, plan.pair_r] + lq[d, plan.pair_t]  # [M] parent score + token log-prob
+        order = torch.sort(cand, descending=True, stable=True).indices[:n]  # [n]
+        scores[d] = cand[order]
+        ranks[d] = plan.pair_t[order]
+        parent_pos[d] = plan.pair_r[order]
+    flat = torch.sort(scores.view(-1), descending=True, stable=True).indices[:n]  # [n] flat = depth·n + pos
+    depth0 = flat // n  # [n] 0-based depth
+    node_of_flat = torch.zeros(num_slots * n, dtype=torch.long, device=device)
+    node_of_flat[flat] = torch.arange(1, n + 1, device=device)  # 1-based node index of each selected entry
+    parent_flat = (depth0 - 1).clamp(min=0) * n + parent_pos.view(-1)[flat]
+    parents = torch.where(depth0 == 0, torch.zeros_like(flat), node_of_flat[parent_flat])  # [n]
+    tokens = top_ids[depth0, ranks.view(-1)[flat]]  # [n]
+    zero = torch.zeros(1, dtype=torch.long, device=device)
+    return DeviceTree(
+        tokens=tokens,
+        parents=torch.cat([zero, parents]),
+        depths=torch.cat([zero, depth0 + 1]),
+        log_probs=scores.view(-1)[flat],
+    )
+
+
+def visibility_device(parents: torch.Tensor, hops: int) -> torch.Tensor:
+    """Bool [N+1, N+1] ancestor-or-self by pointer jumping (`hops` ≥ max depth + 1), no host sync."""
+    n1 = parents.shape[0]
+    rows = torch.arange(n1, device=parents.device)
+    vis = torch.zeros(n1, n1, dtype=torch.bool, device=parents.device)
+    cur = rows
+    for _ in range(hops):
+        vis[rows, cur] = True
+        cur = parents[cur]
+    return vis
+
+
+# ----------------------------------------------------------------------------- engine
+
+
+@dataclass
+class RoundProfile:
+    """Device time per phase (CUDA events; host wall time on CPU), summed over a generation."""
+
+    draft_ms: float = 0.0
+    tree_ms: float = 0.0
+    verify_ms: float = 0.0
+    commit_ms: float = 0.0  # acceptance, K/V gather, state update
+    host_ms: float = 0.0  # the round's host read and Python bookkeeping, outside the phases
+    rounds: int = 0
+    per_round: list[dict[str, float]] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            k: getattr(self, k)
+            for k in ("draft_ms", "tree_ms", "verify_ms", "commit_ms", "host_ms", "rounds")
+        }
+
+
+class _Phase:
+    """A callable over static buffers, run eagerly or replayed from its CUDA graph."""
+
+    def __init__(self, fn: Callable[[], None], use_graph: bool, generator: torch.Generator | None) -> None:
+        self.fn = fn
+        self.graph: Any = None
+        if use_graph:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):  # warm-up outside the capture (cuBLAS handles, lazy inits)
+                for _ in range(2):
+                    fn()
+            torch.cuda.current_stream().wait_stream(stream)
+            g = torch.cuda.CUDAGraph()
+            if generator is not None:
+                g.register_generator_state(generator)  # sampling phases draw from our seeded generator
+            with torch.cuda.graph(g):
+                fn()
+            self.graph = g
+
+    def __call__(self) -> None:
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self.fn()
+
+
+class FastEngine:
+    """Single-stream AR / chain / DDTree decoding over static caches, with CUDA graphs on CUDA."""
+
+    def __init__(
+        self,
+        target: TargetModel,
+        drafter: DFlashDrafter | None = None,
+        *,
+        max_len: int = 2048,
+        max_budget: int = 512,
+        cuda_graphs: bool | None = None,
+    ) -> None:
+        why = native_support_error(target)
+        if why is not None:
+            raise ValueError(f"FastEngine: {why}")
+        if drafter is not None:
+            check_pair(target, drafter.config)
+        self.target, self.drafter = target, drafter
+        self.device = target.device
+        self.max_len = max_len
+        self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
+        if self.cuda_graphs and self.device.type != "cuda":
+            raise ValueError("cuda_graphs=True needs a CUDA target")
+        self.block = drafter.block_size if drafter is not None else 1
+        self.max_budget = max_budget
+        self.max_q = max(self.block, max_budget + 1 if drafter is not None else 1)
+        self.capacity = max_len + self.max_q  # a verify writes up to max_q rows past the committed length
+        self.native = NativeTarget(target, self.capacity)
+        self.ndrafter = NativeDrafter(drafter, target, max_len + self.block) if drafter is not None else None
+        self.layer_ids = list(drafter.target_layer_ids) if drafter is not None else []
+        dev, long = self.device, dict(dtype=torch.long, device=self.device)
+        # -- round state (device scalars): the bonus sits at position seq_len and has no K/V yet
+        self.seq_len = torch.zeros(1, **long)
+        self.bonus = torch.zeros(1, **long)
+        self.n_pending = torch.zeros(1, **long)  # context rows of `pending` the drafter has not seen
+        self.out = torch.zeros(self.block + 1, **long)  # [accepted, committed tokens..., garbage]
+        self.kv_idx = torch.arange(self.capacity, **long)
+        self.block_ar = torch.arange(self.block, **long)
+        self.generator = torch.Generator(device=dev)
+        if drafter is not None:
+            feat_dim = len(self.layer_ids) * target.hidden_size
+            self.pending = torch.zeros(self.block, feat_dim, dtype=target.dtype, device=dev)  # [B, k·H]
+            self.dkv_idx = torch.arange(max_len + self.block, **long)
+            self.mask_ids = torch.full((self.block - 1,), drafter.mask_token_id, **long)
+            self.draft_logits = torch.zeros(self.block - 1, target.vocab_size, dtype=target.dtype, device=dev)
+            self.draft_tokens = torch.zeros(self.block - 1, **long)
+        self._q: dict[int, dict[str, torch.Tensor]] = {}  # verify buffers per q
+        self._tree: dict[int, dict[str, Any]] = {}  # tree buffers per budget
+        self._phases: dict[tuple[Any, ...], _Phase] = {}
+
+    # -- static buffers
+
+    def _qbuf(self, q: int) -> dict[str, torch.Tensor]:
+        if q not in self._q:
+            long = dict(dtype=torch.long, device=self.device)
+            feat_dim = max(1, len(self.layer_ids) * self.target.hidden_size)
+            self._q[q] = {
+                "tokens": torch.zeros(q, **long),
+                "positions": torch.zeros(q, **long),
+                "rows": torch.zeros(q, **long),
+                "allowed": torch.zeros(q, self.capacity, dtype=torch.bool, device=self.device),
+                "choice": torch.zeros(q, **long),
+                "features": torch.zeros(q, feat_dim, dtype=self.target.dtype, device=self.device),
+            }
+        return self._q[q]
+
+    def _treebuf(self, budget: int) -> dict[str, Any]:
+        if budget not in self._tree:
+            if budget > self.max_budget:
+                raise ValueError(
+                    f"budget {budget} > max_budget {self.max_budget}: build the engine with max_budget={budget}"
+                )
+            long = dict(dtype=torch.long, device=self.device)
+            self._tree[budget] = {
+                "plan": TreePlan.make(budget, self.block - 1, self.target.vocab_size, self.device),
+                "parents": torch.zeros(budget + 1, **long),
+                "depths": torch.zeros(budget + 1, **long),
+            }
+        return self._tree[budget]
+
+    def _phase(self, key: tuple[Any, ...], fn: Callable[[], None], sampling: bool = False) -> _Phase:
+        ph = self._phases.get(key)
+        if ph is None:
+            # a capture's warm-up runs the phase for real: start it from an empty state so its
+            # writes stay inside the caches (generate() resets the state after this anyway)
+            self.seq_len.zero_()
+            self.n_pending.zero_()
+            ph = _Phase(fn, self.cuda_graphs, self.generator if sampling else None)
+            self._phases[key] = ph
+        return ph
+
+    # -- phases (fixed shapes, no host reads: each is one CUDA graph)
+
+    def _draft(self) -> None:
+        nd = self.ndrafter
+        assert nd is not None
+        ctx_pos = self.seq_len - self.n_pending + self.block_ar  # [B]; rows past n_pending land in the block
+        nd.write_context(self.pending, ctx_pos)
+        block_ids = torch.cat([self.bonus, self.mask_ids])  # [B]
+        positions = self.seq_len + self.block_ar  # [B]
+        allowed = (self.dkv_idx < self.seq_len + self.block)[None].expand(self.block, -1)  # [B, cap_d]
+        logits = nd.forward_block(block_ids, positions, allowed)  # [B, V]
+        self.draft_logits.copy_(logits[1:])
+
+    def _chain_inputs(self) -> None:
+        b = self._qbuf(self.block)
+        self.draft_tokens.copy_(self.draft_logits.argmax(dim=-1))  # deterministic drafts, also when sampling
+        b["tokens"].copy_(torch.cat([self.bonus, self.draft_tokens]))
+        b["positions"].copy_(self.seq_len + self.block_ar)
+        b["rows"].copy_(b["positions"])
+        b["allowed"].copy_(self.kv_idx[None] <= b["positions"][:, None])  # causal over the cache
+
+    def _tree_inputs(self, budget: int) -> None:
+        t = self._treebuf(budget)
+        b = self._qbuf(budget + 1)
+        tree = build_tree_device(self.draft_logits, t["plan"])
+        t["parents"].copy_(tree.parents)
+        t["depths"].copy_(tree.depths)
+        vis = visibility_device(tree.parents, self.block)  # [N+1, N+1]; depth ≤ B−1
+        b["tokens"].copy_(torch.cat([self.bonus, tree.tokens]))
+        b["positions"].copy_(self.seq_len + tree.depths)
+        b["rows"].copy_(self.seq_len + torch.arange(budget + 1, device=self.device))
+        rel = self.kv_idx - self.seq_len  # [cap] row index inside the tree block
+        in_block = (rel >= 0) & (rel <= budget)
+        tree_part = vis[:, rel.clamp(0, budget)] & in_block[None]  # [N+1, cap]
+        b["allowed"].copy_((rel < 0)[None] | tree_part)  # committed prefix + ancestors-or-self
+
+    def _verify(self, q: int, params: SamplingParams, features: bool = True) -> None:
+        b = self._qbuf(q)
+        layer_ids = self.layer_ids if features and self.layer_ids else None
+        out = self.native.forward(b["tokens"], b["positions"], b["rows"], b["allowed"], layer_ids=layer_ids)
+        assert out.logits is not None
+        b["choice"].copy_(choose_tokens(out.logits, params, self.generator if not params.greedy else None))
+        if out.features is not None:
+            b["features"].copy_(out.features)
+
+    def _commit_ar(self) -> None:
+        b = self._qbuf(1)
+        self.out[0] = 0
+        self.out[1:2].copy_(b["choice"])
+        self.bonus.copy_(b["choice"])
+        self.seq_len += 1
+
+    def _ar_inputs(self) -> None:
+        b = self._qbuf(1)
+        b["tokens"].copy_(self.bonus)
+        b["positions"].copy_(self.seq_len)
+        b["rows"].copy_(self.seq_len)
+        b["allowed"].copy_((self.kv_idx <= self.seq_len)[None])
+
+    def _commit_chain(self) -> None:
+        b = self._qbuf(self.block)
+        choice = b["choice"]  # [B]
+        accepted = (self.draft_tokens == choice[:-1]).long().cumprod(dim=0).sum()  # longest matching prefix
+        self.out[0] = accepted
+        self.out[1:].copy_(choice)  # committed: choice[0..a] (= the accepted drafts, then the new bonus)
+        self.pending.copy_(b["features"])  # rows 0..a: the old bonus and the accepted drafts
+        self.n_pending.fill_(1)
+        self.n_pending += accepted
+        self.bonus.copy_(choice[accepted].view(1))
+        self.seq_len += self.n_pending
+
+    def _commit_tree(self, budget: int) -> None:
+        t = self._treebuf(budget)
+        b = self._qbuf(budget + 1)
+        parents, depths, choice, tokens = t["parents"], t["depths"], b["choice"], b["tokens"]
+        # a node is accepted when its token is the target's choice after its parent, all the way up
+        ok = tokens == choice[parents]  # [N+1]; the root compares its own token: forced True below
+        ok[0] = True
+        acc, cur = ok.clone(), parents
+        for _ in range(self.block - 1):
+            acc &= ok[cur]
+            cur = parents[cur]
+        # children of a node carry distinct tokens, so the accepted nodes form one path
+        last = (depths * acc).argmax()  # the deepest accepted node
+        accepted = depths[last]
+        anc = [last.view(1)]  # anc[j] = j-th ancestor of `last`
+        for _ in range(self.block - 1):
+            anc.append(parents[anc[-1]])
+        anc_t = torch.cat(anc)  # [B]
+        path = anc_t[(accepted - self.block_ar).clamp(min=0)]  # [B] root first, padded with `last`
+        nxt = path[(self.block_ar + 1).clamp(max=self.block - 1)]
+        committed = torch.where(self.block_ar == accepted, choice[last], tokens[nxt])  # [B]
+        self.out[0] = accepted
+        self.out[1:].copy_(committed)
+        # the path's K/V move to sit right after the committed prefix (gather first: rows overlap)
+        cache = self.native.cache  # [layers, 2, kv, S, hd]
+        kept = cache.index_select(3, self.seq_len + path)
+        cache.index_copy_(3, self.seq_len + self.block_ar, kept)
+        self.pending.copy_(b["features"][path])  # [B, k·H] in path order
+        self.n_pending.copy_(accepted.view(1) + 1)
+        self.bonus.copy_(choice[last].view(1))
+        self.seq_len += self.n_pending
+
+    # -- the host loop
+
+    def _read_round(self) -> list[int]:
+        """The one host read per round (a sync): accepted length and the committed tokens."""
+        host = self.out.tolist()
+        return host[1 : host[0] + 2]
+
+    @torch.no_grad()
+    def generate(
+        self,
+        input_ids: torch.Tensor | list[int],
+        *,
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        method: str = "chain",
+        budget: int | None = None,
+        stop_token_ids: Iterable[int] | None = None,
+        seed: int | None = None,
+        on_tokens: Callable[[list[int]], bool | None] | None = None,
+        profile: bool = False,
+    ) -> GenerationResult:
+        """Same contract as `flashdraft.decode.generate.generate`; `profile` fills `self.last_profile`."""
+        t_start = time.perf_counter()
+        if method not in METHODS:
+            raise ValueError(f"unknown method {method!r}: use one of {', '.join(METHODS)}")
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens {max_new_tokens} must be >= 0")
+        if method != "ar" and self.drafter is None:
+            raise ValueError(f"method {method!r} needs a drafter: build FastEngine(target, drafter)")
+        if method == "ddtree" and budget is None:
+            raise ValueError("method 'ddtree' needs budget=N (tree nodes excluding the root), e.g. budget=8")
+        if method == "ddtree" and budget == 0:
+            raise ValueError("budget 0 is a root-only tree: use method='ar' on the fast engine")
+        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+        ids = _prepare_ids(input_ids, self.device)[0]  # [n]
+        n = ids.shape[0]
+        if n + max_new_tokens > self.max_len:
+            raise ValueError(
+                f"prompt {n} + max_new_tokens {max_new_tokens} > engine max_len {self.max_len}: "
+                f"build FastEngine(..., max_len={n + max_new_tokens})"
+            )
+        stop = {int(t) for t in (stop_token_ids or [])}
+        if not params.greedy:
+            if seed is None:
+                self.generator.seed()
+            else:
+                self.generator.manual_seed(seed)
+        timings = Timings()
+        result = GenerationResult(
+            [], [], n, 0, "length", timings, method, budget if method == "ddtree" else None
+        )
+        if max_new_tokens == 0:
+            timings.total_s = time.perf_counter() - t_start
+            return result
+        round_fns = self._round_phases(method, budget, params)  # captures graphs on first use
+
+        # prefill (eager, variable length): the prompt's K/V and features, the first token
+        t0 = time.perf_counter()
+        pos = torch.arange(n, device=self.device)
+        causal = self.kv_idx[None] <= pos[:, None]  # [n, cap]
+        out = self.native.forward(ids, pos, pos, causal, layer_ids=self.layer_ids if method != "ar" else None)
+        assert out.logits is not None
+        first = choose_tokens(out.logits[-1], params, self.generator if not params.greedy else None).view(1)
+        if method != "ar":
+            assert self.ndrafter is not None and out.features is not None
+            self.ndrafter.write_context(out.features, pos)
+        self.bonus.copy_(first)
+        self.seq_len.fill_(n)
+        self.n_pending.zero_()
+        first_tok = int(first.item())  # host read
+        timings.prefill_s = time.perf_counter() - t0
+
+        def commit(new: list[int], reason: str | None) -> bool:
+            result.tokens.extend(new)
+            answer = on_tokens(new) if on_tokens is not None else None
+            if reason is not None:
+                result.stop_reason = reason
+                return True
+            if answer is False:
+                result.stop_reason = "cancelled"
+                return True
+            return False
+
+        done = commit(*_truncate([first_tok], max_new_tokens, stop))
+        prof = RoundProfile()
+        timed = profile and self.device.type == "cuda"
+        t_decode = time.perf_counter()
+        while not done:
+            remaining = max_new_tokens - len(result.tokens)
+            if timed:
+                events = [torch.cuda.Event(enable_timing=True) for _ in range(len(round_fns) + 1)]
+                events[0].record()
+                for (_, fn), ev in zip(round_fns, events[1:], strict=True):
+                    fn()
+                    ev.record()
+            else:
+                marks = [time.perf_counter()]
+                for _, fn in round_fns:
+                    fn()
+                    marks.append(time.perf_counter())
+            t_read = time.perf_counter()
+            new, reason = _truncate(self._read_round(), remaining, stop)
+            result.rounds += 1
+            result.acceptance_lengths.append(len(new))
+            done = commit(new, reason)
+            if profile:
+                host_ms = (time.perf_counter() - t_read) * 1e3
+                if timed:
+                    ms = [events[i].elapsed_time(events[i + 1]) for i in range(len(round_fns))]
+                else:
+                    ms = [(marks[i + 1] - marks[i]) * 1e3 for i in range(len(round_fns))]
+                row = {f"{name}_ms": v for (name, _), v in zip(round_fns, ms, strict=True)}
+                row["host_ms"] = host_ms
+                prof.per_round.append(row)
+                for k, v in row.items():
+                    setattr(prof, k, getattr(prof, k) + v)
+                prof.rounds += 1
+        timings.decode_s = time.perf_counter() - t_decode
+        timings.total_s = time.perf_counter() - t_start
+        if profile:
+            timings.draft_s, timings.tree_s = prof.draft_ms / 1e3, prof.tree_ms / 1e3
+            timings.verify_s = (prof.verify_ms + prof.commit_ms) / 1e3
+        self.last_profile = prof
+        return result
+
+    def _round_phases(
+        self, method: str, budget: int | None, params: SamplingParams
+    ) -> list[tuple[str, Callable[[], None]]]:
+        """The round's phases in order, as (name, callable); graphs are captured here on first use."""
+        sampling = not params.greedy
+        if method == "ar":
+            self._qbuf(1)
+
+            def ar() -> None:
+                self._ar_inputs()
+                self._verify(1, params, features=False)
+                self._commit_ar()
+
+            return [("verify", self._phase(("ar", params), ar, sampling))]
+        self._qbuf(self.block)
+        draft = self._phase(("draft",), self._draft)
+        if method == "chain":
+
+            def verify_chain() -> None:
+                self._chain_inputs()
+                self._verify(self.block, params)
+
+            return [
+                ("draft", draft),
+                ("verify", self._phase(("verify_chain", params), verify_chain, sampling)),
+                ("commit", self._phase(("commit_chain",), self._commit_chain)),
+            ]
+        assert budget is not None
+        self._treebuf(budget)
+        self._qbuf(budget + 1)
+        return [
+            ("draft", draft),
+            ("tree", self._phase(("tree", budget), lambda: self._tree_inputs(budget))),
+            (
+                "verify",
+                self._phase(
+                    ("verify", budget + 1, params), lambda: self._verify(budget + 1, params), sampling
+                ),
+            ),
+            ("commit", self._phase(("commit_tree", budget), lambda: self._commit_tree(budget))),
+        ]
+
+    def warmup(self, methods: Iterable[tuple[str, int | None]], temperature: float = 0.0) -> None:
+        """Capture the graphs for (method, budget) pairs now, so the first timed call pays nothing."""
+        params = SamplingParams(temperature=temperature)
+        for method, budget in methods:
+            self._round_phases(method, budget, params)
+
+
+# ----------------------------------------------------------------------------- convenience
+
+_ENGINE: dict[str, Any] = {}  # the last engine built by `generate` (one slot: caches are large)
+
+
+def generate(
+    target: TargetModel,
+    drafter: DFlashDrafter | None,
+    input_ids: torch.Tensor | list[int],
+    *,
+    max_new_tokens: int,
+    max_len: int | None = None,
+    **kwargs: Any,
+) -> GenerationResult:
+    """`FastEngine(target, drafter).generate(...)` with the engine kept for the next call.
+
+    Targets outside the native families fall back to the reference transformers decoder.
+    """
+    if native_support_error(target) is not None:
+        from flashdraft.decode.generate import generate as reference_generate
+
+        return reference_generate(target, drafter, input_ids, max_new_tokens=max_new_tokens, **kwargs)
+    n = torch.as_tensor(input_ids).shape[-1]
+    need = max_len or max(2048, n + max_new_tokens)
+    key = (id(target), id(drafter))
+    eng = _ENGINE.get("engine")
+    if eng is None or _ENGINE.get("key") != key or eng.max_len < n + max_new_tokens:
+        _ENGINE.clear()
+        eng = FastEngine(target, drafter, max_len=need)
+        _ENGINE.update(engine=eng, key=key)
+    return eng.generate(input_ids, max_new_tokens=max_new_tokens, **kwargs)

@@ -1,0 +1,218 @@
+"""Static-cache forwards for the fast engine: the target (Llama / Qwen2 / Qwen3 / Mistral) and the drafter.
+
+The gpt-fast way: one preallocated KV cache per model, `[layers, 2, kv_heads, capacity, head_dim]`,
+and every input a tensor of fixed shape — token ids, positions, the cache rows to write and a
+boolean mask over the whole cache — so a forward never branches on data, never reads back to
+the host and can be captured once as a CUDA graph and replayed. Both forwards run over the
+models' OWN modules and weights (the HF target's layers, the DFlashDrafter's layers): nothing
+is copied, so a checkpoint loaded once serves the reference decoder and this engine alike.
+
+    native = NativeTarget(target, capacity=2048 + 64)
+    out = native.forward(ids, positions, write_rows, allowed, layer_ids=[1, 8, 14, 20, 27])
+    out.logits, out.features                      # [q, V], [q, k·H]
+    dstep = NativeDrafter(drafter, target, capacity=2048 + 64)
+    logits = dstep.forward(ctx_feats, ctx_pos, block_ids, block_pos, allowed)   # [B, V]
+
+Used by `flashdraft/decode/engine.py`; `tests/decode/test_engine.py` checks it against HF in float64.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from flashdraft.drafter import DFlashDrafter, rotate_half
+from flashdraft.target import TargetModel
+
+# families whose decoder layer is exactly: norm → q/k/v (+bias, +QK-norm) → RoPE → attention →
+# o_proj → residual → norm → SwiGLU → residual, with one global RoPE. Everything else stays on
+# the transformers path (flashdraft/decode/generate.py).
+NATIVE_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+
+
+def native_support_error(target: TargetModel) -> str | None:
+    """None when `target` can run on the native forward, else one line saying why not."""
+    cfg = target.config
+    mt = getattr(cfg, "model_type", "?")
+    if mt not in NATIVE_FAMILIES:
+        return f"model_type {mt!r} has no native forward (supported: {', '.join(NATIVE_FAMILIES)}); use the transformers path"
+    act = getattr(cfg, "hidden_act", "silu")
+    if act != "silu":
+        return f"hidden_act {act!r}: the native forward implements SwiGLU with silu only"
+    if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", mt == "mistral"):
+        return f"{mt} with a sliding window ({cfg.sliding_window}) cannot use a static full-attention cache"
+    rope = getattr(target.model.model, "rotary_emb", None)
+    if rope is None:
+        return f"{type(target.model).__name__}: no model.model.rotary_emb to take RoPE from"
+    kind = str(getattr(rope, "rope_type", "default"))
+    if "dynamic" in kind or "longrope" in kind:
+        return f"rope type {kind!r} changes with the sequence length; a static graph cannot follow it"
+    if getattr(cfg, "pretraining_tp", 1) not in (None, 1):
+        return "pretraining_tp > 1 is not supported by the native forward"
+    return None
+
+
+@dataclass
+class NativeOutput:
+    logits: torch.Tensor | None  # [q, V]
+    features: torch.Tensor | None  # [q, k·H] outputs of layer_ids, concatenated in listed order
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x [1, heads, q, hd]; cos/sin [1, 1, q, hd]
+    return x * cos + rotate_half(x) * sin
+
+
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """q [1, heads, q, hd] over the whole cache k/v [1, kv, S, hd]; allowed [q, S] (True = attend)."""
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:
+        # expand-then-reshape makes one copy of the cache per layer; it keeps SDPA on its fused
+        # kernels with a mask (GQA inside SDPA falls back to the math kernel for masked attention)
+        b, kv, s, hd = k.shape
+        k = k[:, :, None].expand(b, kv, rep, s, hd).reshape(b, kv * rep, s, hd)
+        v = v[:, :, None].expand(b, kv, rep, s, hd).reshape(b, kv * rep, s, hd)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[None, None], scale=scale)
+
+
+class NativeTarget:
+    """A static-cache forward over the HF target's own layers (batch 1)."""
+
+    def __init__(self, target: TargetModel, capacity: int) -> None:
+        why = native_support_error(target)
+        if why is not None:
+            raise ValueError(f"native target forward: {why}")
+        self.target = target
+        cfg = target.config
+        self.n_heads = int(cfg.num_attention_heads)
+        self.n_kv = int(getattr(cfg, "num_key_value_heads", None) or self.n_heads)
+        self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads)
+        self.capacity = capacity
+        self.inner = target.model.model  # LlamaModel / Qwen3Model ...: embed_tokens, layers, norm, rotary_emb
+        self.layers = list(target.layers)
+        # [layers, 2 (k, v), kv_heads, capacity, head_dim]; zeros so unwritten rows are finite
+        self.cache = torch.zeros(
+            len(self.layers), 2, self.n_kv, capacity, self.head_dim, dtype=target.dtype, device=target.device
+        )
+
+    @torch.no_grad()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [q] token ids
+        positions: torch.Tensor,  # [q] RoPE positions
+        write_rows: torch.Tensor,  # [q] cache rows that receive this forward's K/V
+        allowed: torch.Tensor,  # bool [q, capacity]: True = may attend (after this forward's writes)
+        *,
+        layer_ids: list[int] | None = None,
+        logits: bool = True,
+    ) -> NativeOutput:
+        h = self.inner.embed_tokens(input_ids[None])  # [1, q, H]
+        cos, sin = self.inner.rotary_emb(h, positions[None])  # [1, q, hd] each, computed as HF does
+        cos, sin = cos[:, None], sin[:, None]  # [1, 1, q, hd]
+        q_len = input_ids.shape[0]
+        wanted = set(layer_ids or [])
+        captured: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            x = layer.input_layernorm(h)
+            q = attn.q_proj(x).view(1, q_len, self.n_heads, self.head_dim)  # [1, q, heads, hd]
+            k = attn.k_proj(x).view(1, q_len, self.n_kv, self.head_dim)
+            v = attn.v_proj(x).view(1, q_len, self.n_kv, self.head_dim)
+            if hasattr(attn, "q_norm"):  # Qwen3 QK-norm, per head, before RoPE
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [1, heads|kv, q, hd]
+            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+            self.cache[i, 0].index_copy_(1, write_rows, k[0])  # cache[i, 0]: [kv, S, hd]
+            self.cache[i, 1].index_copy_(1, write_rows, v[0])
+            o = _attend(q, self.cache[i, 0][None], self.cache[i, 1][None], allowed, attn.scaling)
+            o = o.transpose(1, 2).reshape(1, q_len, self.n_heads * self.head_dim)  # [1, q, heads·hd]
+            h = h + attn.o_proj(o)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            if i in wanted:
+                captured[i] = h
+        feats = None
+        if layer_ids:
+            last = len(self.layers) - 1
+            # HF's hidden_states[-1] is final-normed; TargetModel.forward matches that, so do we
+            parts = [self.inner.norm(captured[i]) if i == last else captured[i] for i in layer_ids]
+            feats = torch.cat(parts, dim=-1)[0]  # [q, k·H] in listed order
+        out_logits = self.target.lm_head(self.inner.norm(h))[0] if logits else None  # [q, V]
+        return NativeOutput(out_logits, feats)
+
+
+class NativeDrafter:
+    """A static-cache DFlash drafter step over a DFlashDrafter's own modules (batch 1).
+
+    The drafter cache holds context K/V at the context rows' own positions (row p = position p).
+    Context K/V depend only on the fused features (`k_norm(k_proj(ctx))`, `v_proj(ctx)`), so new
+    context rows are written once; the block's K/V are written at its positions after them and
+    overwritten by the next round's context (the mask hides every row past the block).
+    """
+
+    def __init__(self, drafter: DFlashDrafter, target: TargetModel, capacity: int) -> None:
+        cfg = drafter.config
+        if any(cfg.is_sliding(i) for i in range(cfg.num_hidden_layers)):
+            raise ValueError("native drafter step: sliding-window drafter layers are not supported")
+        self.drafter = drafter
+        self.embed = target.embed_tokens
+        self.lm_head = target.lm_head
+        self.capacity = capacity
+        self.n_heads, self.n_kv, self.head_dim = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        )
+        p = next(drafter.parameters())
+        self.cache = torch.zeros(
+            cfg.num_hidden_layers, 2, self.n_kv, capacity, self.head_dim, dtype=p.dtype, device=p.device
+        )
+
+    @torch.no_grad()
+    def write_context(self, feats: torch.Tensor, positions: torch.Tensor) -> None:
+        """Fuse raw features [c, k·H] and store their K/V at rows `positions` [c] in every layer."""
+        d = self.drafter
+        ctx = d.fuse(feats[None].to(d.fc.weight.dtype))  # [1, c, H]
+        c = ctx.shape[1]
+        cos, sin = d.rope(positions[None], ctx.dtype)  # [1, c, hd]
+        cos, sin = cos[:, None], sin[:, None]  # [1, 1, c, hd]
+        for i, layer in enumerate(d.layers):
+            attn = layer.self_attn
+            k = attn.k_norm(attn.k_proj(ctx).view(1, c, self.n_kv, self.head_dim)).transpose(
+                1, 2
+            )  # [1, kv, c, hd]
+            v = attn.v_proj(ctx).view(1, c, self.n_kv, self.head_dim).transpose(1, 2)
+            k = _rope(k, cos, sin)
+            self.cache[i, 0].index_copy_(1, positions, k[0])
+            self.cache[i, 1].index_copy_(1, positions, v[0])
+
+    @torch.no_grad()
+    def forward_block(
+        self,
+        block_ids: torch.Tensor,  # [B] = [bonus, MASK, ...]
+        positions: torch.Tensor,  # [B] the block's positions (= its cache rows)
+        allowed: torch.Tensor,  # bool [B, capacity]: context rows before the block + the block itself
+    ) -> torch.Tensor:
+        """Drafter logits for every block slot, [B, V] (slot 0 included; callers drop it)."""
+        d = self.drafter
+        h = self.embed(block_ids[None]).to(d.fc.weight.dtype)  # [1, B, H]
+        b_len = block_ids.shape[0]
+        cos, sin = d.rope(positions[None], h.dtype)
+        cos, sin = cos[:, None], sin[:, None]  # [1, 1, B, hd]
+        for i, layer in enumerate(d.layers):
+            attn = layer.self_attn
+            x = layer.input_layernorm(h)
+            q = attn.q_norm(attn.q_proj(x).view(1, b_len, self.n_heads, self.head_dim)).transpose(1, 2)
+            k = attn.k_norm(attn.k_proj(x).view(1, b_len, self.n_kv, self.head_dim)).transpose(1, 2)
+            v = attn.v_proj(x).view(1, b_len, self.n_kv, self.head_dim).transpose(1, 2)  # [1, kv, B, hd]
+            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+            self.cache[i, 0].index_copy_(1, positions, k[0])
+            self.cache[i, 1].index_copy_(1, positions, v[0])
+            o = _attend(q, self.cache[i, 0][None], self.cache[i, 1][None], allowed, 1.0 / self.head_dim**0.5)
+            o = o.transpose(1, 2).reshape(1, b_len, self.n_heads * self.head_dim)  # [1, B, heads·hd]
+            h = h + attn.o_proj(o)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.lm_head(d.norm(h).to(self.lm_head.weight.dtype))[0]  # [B, V] in the target's dtype
