@@ -1,0 +1,99 @@
+"""`flashdraft serve` (OpenAI-compatible server) and `flashdraft export` (a clean DFlash checkpoint).
+
+flashdraft serve                                          # default target + shipped drafter on 127.0.0.1:8000
+flashdraft serve --drafter RUN/checkpoints/step-00001000/drafter --method ddtree --budget 8 --api-key KEY
+flashdraft export RUN --to out/my-drafter --dtype bfloat16 --target HuggingFaceTB/SmolLM2-135M-Instruct
+"""
+
+from __future__ import annotations
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    @app.command()
+    def serve(
+        target: str = typer.Option(
+            "default", help="HF folder, hub-style id, .gguf path, or 'default' (SmolLM2)"
+        ),
+        drafter: str | None = typer.Option(
+            None,
+            help="DFlash drafter folder; 'none' serves plain AR; default: the shipped drafter if present",
+        ),
+        method: str = typer.Option("chain", help="chain | ddtree | ar"),
+        budget: int | None = typer.Option(None, help="DDTree budget (tree nodes, root excluded)"),
+        host: str = typer.Option("127.0.0.1", help="bind address; localhost by default"),
+        port: int = typer.Option(8000),
+        api_key: str | None = typer.Option(
+            None,
+            envvar="FLASHDRAFT_API_KEY",
+            help="require 'Authorization: Bearer KEY' on /v1/* and /metrics",
+        ),
+        max_queue: int = typer.Option(
+            16, help="waiting requests beyond the one being generated; more get 429"
+        ),
+        timeout: float = typer.Option(120.0, help="seconds per request, queueing included; then 504"),
+        max_body_bytes: int = typer.Option(1 << 20, help="larger request bodies get 413"),
+        max_tokens_cap: int = typer.Option(4096, help="largest max_tokens a client may ask for"),
+        model_name: str | None = typer.Option(
+            None, help="the model id clients send (default: from --target)"
+        ),
+        device: str = typer.Option("cpu"),
+        dtype: str = typer.Option("float32", help="float32 | bfloat16 | float16 | float64"),
+    ) -> None:
+        """Serve the target with speculative decoding behind an OpenAI-compatible HTTP API."""
+        import logging
+
+        from flashdraft.serve.app import AppSettings, create_app
+        from flashdraft.serve.protocol import Limits
+        from flashdraft.serve.server import ServeOptions, build_engine, serve_forever
+
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        opts = ServeOptions(
+            target=target,
+            drafter=drafter,
+            method=method,
+            budget=budget,
+            device=device,
+            dtype=dtype,
+            model_id=model_name,
+            max_queue=max_queue,
+            timeout=timeout,
+            limits=Limits(max_tokens_cap=max_tokens_cap),
+        )
+        try:
+            engine = build_engine(opts)
+        except (ValueError, FileNotFoundError) as e:
+            raise typer.BadParameter(str(e)) from None
+        s = engine.settings
+        typer.echo(
+            f"serving {s.model_id!r} with method {s.method}"
+            + (f" budget {s.budget}" if s.budget else "")
+            + f" on http://{host}:{port}/v1"
+            + (" (API key required)" if api_key else "")
+        )
+        app = create_app(engine, AppSettings(api_key=api_key, max_body_bytes=max_body_bytes))
+        serve_forever(engine, app, host, port)
+
+    @app.command()
+    def export(
+        source: str = typer.Argument(
+            ..., help="a DFlash checkpoint folder, a run folder, or a run's step folder"
+        ),
+        to: str = typer.Option(..., "--to", help="output folder (replaced atomically)"),
+        dtype: str = typer.Option("bfloat16", help="bfloat16 | float16 | float32"),
+        target: str | None = typer.Option(
+            None,
+            help="the target model id/path for the README launch commands (default: from the run config)",
+        ),
+    ) -> None:
+        """Write a clean DFlash checkpoint that SGLang and vLLM load unchanged, and verify it."""
+        from flashdraft.serve.export import export_drafter
+
+        try:
+            res = export_drafter(source, to, dtype=dtype, target=target)
+        except (ValueError, FileNotFoundError) as e:
+            raise typer.BadParameter(str(e)) from None
+        typer.echo(f"exported {res.source} -> {res.dest} ({res.dtype}, {res.num_parameters:,} parameters)")
+        typer.echo(f"verified: reloaded outputs identical at {res.dtype} (max |diff| {res.max_abs_diff})")
+        typer.echo(f"launch commands for SGLang / vLLM: {res.dest / 'README.md'}")
