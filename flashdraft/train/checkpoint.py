@@ -1,0 +1,191 @@
+"""Run folders and checkpoints (the layout is a contract with eval and serve/export).
+
+    RUN/config.yaml  command.txt  metrics.jsonl  tensorboard/
+    RUN/checkpoints/step-00001234/drafter/                    plain DFlash folder (from_pretrained works)
+    RUN/checkpoints/step-00001234/trainer_state.safetensors   optimizer tensors, RNG states
+    RUN/checkpoints/step-00001234/trainer_state.json          step, epoch, data position, config hash, ...
+    RUN/eval/log.jsonl                                        written by the evaluator only
+
+A checkpoint is written into a temp folder and renamed: a `step-*` folder that exists is complete.
+
+    list_checkpoints("runs/x")       # [Path(.../step-00001000), ...] sorted by step
+    latest_checkpoint("runs/x")      # the newest complete one, or None
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+CHECKPOINTS = "checkpoints"
+DRAFTER = "drafter"
+STATE_TENSORS = "trainer_state.safetensors"
+STATE_JSON = "trainer_state.json"
+_STEP_RE = re.compile(r"^step-(\d{8})$")
+
+
+def checkpoint_dir(run_dir: str | os.PathLike[str], step: int) -> Path:
+    return Path(run_dir) / CHECKPOINTS / f"step-{step:08d}"
+
+
+def step_of(checkpoint: str | os.PathLike[str]) -> int:
+    m = _STEP_RE.match(Path(checkpoint).name)
+    if not m:
+        raise ValueError(f"{checkpoint}: not a checkpoint folder (expected a name like step-00001234)")
+    return int(m.group(1))
+
+
+def list_checkpoints(run_dir: str | os.PathLike[str]) -> list[Path]:
+    """Complete checkpoint folders of a run, sorted by step (temp folders are never listed)."""
+    root = Path(run_dir) / CHECKPOINTS
+    if not root.is_dir():
+        return []
+    found = [
+        p for p in root.iterdir() if p.is_dir() and _STEP_RE.match(p.name) and (p / STATE_JSON).is_file()
+    ]
+    return sorted(found, key=step_of)
+
+
+def latest_checkpoint(run_dir: str | os.PathLike[str]) -> Path | None:
+    found = list_checkpoints(run_dir)
+    return found[-1] if found else None
+
+
+# ----------------------------------------------------------------------------- nested state ↔ flat tensors
+
+
+def flatten_state(
+    obj: Any, prefix: str = "", tensors: dict[str, torch.Tensor] | None = None
+) -> tuple[Any, dict[str, torch.Tensor]]:
+    """A nested dict/list with tensors → (JSON skeleton with {"__tensor__": key}, {key: tensor})."""
+    tensors = {} if tensors is None else tensors
+    if isinstance(obj, torch.Tensor):
+        key = prefix or "tensor"
+        tensors[key] = obj.detach().cpu().contiguous()
+        return {"__tensor__": key}, tensors
+    if isinstance(obj, dict):
+        if not all(isinstance(k, (str, int)) for k in obj):
+            raise TypeError(f"{prefix}: only str/int keys can be saved")
+        # int keys (optimizer param indices) are tagged so they come back as ints
+        skel = {("__int__" + str(k) if isinstance(k, int) else k): flatten_state(v, f"{prefix}.{k}" if prefix else str(k), tensors)[0] for k, v in obj.items()}  # fmt: skip
+        return skel, tensors
+    if isinstance(obj, (list, tuple)):
+        return [flatten_state(v, f"{prefix}.{i}", tensors)[0] for i, v in enumerate(obj)], tensors
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj, tensors
+    raise TypeError(f"{prefix}: cannot save a {type(obj).__name__} in trainer state")
+
+
+def unflatten_state(skel: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    if isinstance(skel, dict):
+        if set(skel) == {"__tensor__"}:
+            return tensors[skel["__tensor__"]]
+        return {
+            (int(k[7:]) if k.startswith("__int__") else k): unflatten_state(v, tensors)
+            for k, v in skel.items()
+        }
+    if isinstance(skel, list):
+        return [unflatten_state(v, tensors) for v in skel]
+    return skel
+
+
+# ----------------------------------------------------------------------------- save / load
+
+
+@dataclass
+class TrainerState:
+    """What a checkpoint holds besides the drafter weights."""
+
+    info: dict[str, Any]  # step, epoch, data position, tokens seen, config hash, ... (JSON)
+    state: dict[str, Any]  # nested tensors and values: optimizer, RNG states, anchor sampler
+
+
+def save_checkpoint(run_dir: str | os.PathLike[str], step: int, drafter: Any, state: TrainerState) -> Path:
+    """Write drafter + trainer state into a temp folder, then rename it to step-XXXXXXXX."""
+    from safetensors.torch import save_file
+
+    dest = checkpoint_dir(run_dir, step)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+    try:
+        drafter.save_pretrained(tmp / DRAFTER)  # master-weight dtype: resume must be exact
+        skel, tensors = flatten_state(state.state)
+        save_file(tensors, str(tmp / STATE_TENSORS))
+        info = {**state.info, "step": step, "state": skel}
+        (tmp / STATE_JSON).write_text(json.dumps(info, indent=1) + "\n")
+        if dest.exists():  # re-saving a step (a SIGUSR1 right at a scheduled checkpoint): replace
+            shutil.rmtree(dest)
+        tmp.rename(dest)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
+def load_trainer_state(checkpoint: str | os.PathLike[str]) -> TrainerState:
+    from safetensors.torch import load_file
+
+    ckpt = Path(checkpoint)
+    path = ckpt / STATE_JSON
+    try:
+        info = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: missing; {ckpt} is not a complete checkpoint") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: line {e.lineno}: invalid JSON ({e.msg})") from None
+    tensors = load_file(str(ckpt / STATE_TENSORS))
+    skel = info.pop("state")
+    return TrainerState(info=info, state=unflatten_state(skel, tensors))
+
+
+def load_drafter_weights(checkpoint: str | os.PathLike[str], drafter: torch.nn.Module) -> None:
+    """Copy a checkpoint's drafter weights into an existing drafter (keeps its dtype/device)."""
+    from safetensors.torch import load_file
+
+    state = load_file(str(Path(checkpoint) / DRAFTER / "model.safetensors"))
+    drafter.load_state_dict(state, strict=True)
+
+
+# ----------------------------------------------------------------------------- retention
+
+
+def best_checkpoint_step(run_dir: str | os.PathLike[str], metric: str = "tau_chain") -> int | None:
+    """The step with the highest `metric` in RUN/eval/log.jsonl, if the evaluator has results."""
+    log = Path(run_dir) / "eval" / "log.jsonl"
+    if not log.is_file():
+        return None
+    best: tuple[float, int] | None = None
+    for line in log.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+            value, step = float(rec[metric]), int(rec["step"])
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+            continue
+        if best is None or value > best[0]:
+            best = (value, step)
+    return None if best is None else best[1]
+
+
+def prune_checkpoints(
+    run_dir: str | os.PathLike[str], keep_last: int, best_metric: str = "tau_chain"
+) -> list[Path]:
+    """Delete all but the newest `keep_last` checkpoints and the best one by eval; returns the deleted."""
+    found = list_checkpoints(run_dir)
+    keep = set(found[-keep_last:]) if keep_last > 0 else set()
+    best = best_checkpoint_step(run_dir, best_metric)
+    if best is not None:
+        keep.add(checkpoint_dir(run_dir, best))
+    deleted = []
+    for p in found:
+        if p not in keep:
+            shutil.rmtree(p, ignore_errors=True)
+            deleted.append(p)
+    return deleted

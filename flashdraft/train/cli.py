@@ -1,0 +1,40 @@
+"""`flashdraft train CONFIG [key=value ...] [--resume]`: train a drafter (see flashdraft/train/launch.py).
+
+flashdraft train configs/smollm2-b16.yaml
+flashdraft train configs/smollm2-b16.yaml optim.max_steps=200 run_dir=runs/try --resume
+kill -USR1 <pid>      # write a checkpoint of the live weights at the next step
+"""
+
+from __future__ import annotations
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    @app.command(context_settings={"allow_extra_args": False})
+    def train(
+        config: str = typer.Argument(..., help="a TrainConfig YAML file (see configs/)"),
+        overrides: list[str] = typer.Argument(None, help="key=value overrides, e.g. optim.lr=3e-4"),
+        resume: bool = typer.Option(
+            False, "--resume", help="continue exactly from the run's latest checkpoint"
+        ),
+    ) -> None:
+        """Train a DFlash drafter on the target's own responses (DESIGN.md §2)."""
+        import shlex
+        import sys
+
+        from flashdraft.config import ConfigError, load_config
+        from flashdraft.train.config import TrainConfig
+        from flashdraft.train.launch import train as run_training
+        from flashdraft.train.trainer import TrainingError
+
+        try:
+            cfg = load_config(TrainConfig, config, list(overrides or []))
+            result = run_training(cfg, resume=resume, command=shlex.join(["flashdraft", *sys.argv[1:]]))
+        except (ConfigError, TrainingError) as e:
+            typer.echo(f"error: {e}", err=True)
+            raise typer.Exit(1) from None
+        typer.echo(
+            f"done: {result.steps} steps, epoch {result.epoch} ({result.stopped}); "
+            f"checkpoint {result.last_checkpoint}"
+        )

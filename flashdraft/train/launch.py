@@ -1,0 +1,179 @@
+"""Build a training run from a TrainConfig: run folder, target, drafter, data source, trainer.
+
+    flashdraft train configs/smollm2-b16.yaml [key=value ...] [--resume]
+    result = train(load_config(TrainConfig, path, overrides), resume=False)
+
+Device and precision policy (runtime.dtype=auto): on CUDA the target runs in bf16 and the
+drafter keeps fp32 master weights under bf16 autocast; on CPU everything is float32.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from flashdraft.config import ConfigError, save_config, to_dict
+from flashdraft.train.checkpoint import latest_checkpoint, list_checkpoints
+from flashdraft.train.config import TrainConfig
+from flashdraft.train.metrics import MetricsLogger
+from flashdraft.train.source import InProcessSource
+from flashdraft.train.trainer import Trainer, TrainResult
+
+_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class Precision:
+    target: torch.dtype  # the frozen target's weights (and so the features)
+    params: torch.dtype  # the drafter's master weights (what the optimizer updates)
+    compute: torch.dtype | None  # autocast dtype, None = no autocast
+
+
+def resolve_device(cfg: TrainConfig) -> torch.device:
+    if cfg.runtime.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(cfg.runtime.device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(
+            f"runtime.device={cfg.runtime.device!r} but CUDA is not available: use runtime.device=cpu"
+        )
+    return dev
+
+
+def resolve_precision(cfg: TrainConfig, device: torch.device) -> Precision:
+    dt = cfg.runtime.dtype
+    if dt == "auto":
+        dt = "bfloat16" if device.type == "cuda" else "float32"
+    if dt == "bfloat16":
+        prec = Precision(torch.bfloat16, torch.float32, torch.bfloat16)  # fp32 master weights, bf16 compute
+    else:
+        prec = Precision(_DTYPES[dt], _DTYPES[dt], None)
+    if cfg.model.target_dtype != "auto":
+        if cfg.model.target_dtype not in _DTYPES:
+            raise ConfigError(
+                f"model.target_dtype {cfg.model.target_dtype!r}: use auto, float32, float64 or bfloat16"
+            )
+        prec.target = _DTYPES[cfg.model.target_dtype]
+    return prec
+
+
+def build_drafter(cfg: TrainConfig, target: Any, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """A fresh random drafter shaped for the target (or `model.init_from`), seeded by runtime.seed."""
+    from flashdraft.drafter import DFlashDrafter
+    from flashdraft.target import check_pair, drafter_config_for
+
+    m = cfg.model
+    if m.init_from:
+        drafter = DFlashDrafter.from_pretrained(m.init_from, dtype=dtype, device=device)
+        if drafter.config.block_size != m.block_size:
+            raise ConfigError(
+                f"model.init_from {m.init_from} has block_size {drafter.config.block_size}, the config says "
+                f"{m.block_size}: set model.block_size={drafter.config.block_size}"
+            )
+    else:
+        try:
+            dcfg = drafter_config_for(
+                target, num_layers=m.num_layers, block_size=m.block_size, target_layer_ids=m.target_layer_ids,
+                mask_token_id=m.mask_token_id, num_attention_heads=m.num_attention_heads,
+                num_key_value_heads=m.num_key_value_heads, head_dim=m.head_dim, intermediate_size=m.intermediate_size,
+            )  # fmt: skip
+        except ValueError as e:
+            raise ConfigError(f"model: {e}") from None
+        torch.manual_seed(cfg.runtime.seed)
+        drafter = DFlashDrafter(dcfg)
+        drafter.reset_parameters(std=m.init_std)
+        drafter = drafter.to(device=device, dtype=dtype)
+    try:
+        check_pair(target, drafter.config)
+    except ValueError as e:
+        raise ConfigError(f"model: {e}") from None
+    return drafter.train()
+
+
+def open_samples(cfg: TrainConfig) -> tuple[Any, list[int]]:
+    """(samples, lengths) of the training split (a flashdraft dataset folder)."""
+    from flashdraft.data.dataset import open_dataset
+
+    path = Path(cfg.data.dataset)
+    if not path.exists():
+        raise ConfigError(f"data.dataset {path}: not found (build one with `flashdraft data regenerate`)")
+    ds = open_dataset(path, cfg.data.split)
+    return ds, [int(n) for n in ds.lengths]
+
+
+def prepare_run_dir(cfg: TrainConfig, resume: bool, command: str | None) -> Path:
+    run = Path(cfg.run_dir)
+    if not resume and list_checkpoints(run):
+        raise ConfigError(
+            f"{run} already has checkpoints: pass --resume to continue it, or set run_dir to a new folder"
+        )
+    if resume and latest_checkpoint(run) is None:
+        raise ConfigError(f"--resume: {run}/checkpoints has no complete checkpoint; start without --resume")
+    run.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, run / "config.yaml")
+    line = command if command is not None else " ".join(sys.argv)
+    with (run / "command.txt").open("a") as f:
+        f.write(("resume: " if resume else "") + line + "\n")
+    return run
+
+
+def train(
+    cfg: TrainConfig,
+    *,
+    resume: bool = False,
+    command: str | None = None,
+    target: Any | None = None,  # an already loaded TargetModel (tests); default: load model.target
+    samples: Any | None = None,  # in-memory samples (tests); default: open data.dataset
+    on_step_end: Any | None = None,
+) -> TrainResult:
+    if samples is None:
+        cfg.validate()
+    elif not cfg.data.dataset:
+        cfg.data.dataset = "<in-memory>"
+        cfg.validate()
+    device = resolve_device(cfg)
+    prec = resolve_precision(cfg, device)
+    if cfg.runtime.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+    run = prepare_run_dir(cfg, resume, command)
+    if target is None:
+        from flashdraft.target import load_target
+
+        target = load_target(cfg.model.target, dtype=prec.target, device=device)
+    drafter = build_drafter(cfg, target, device, prec.params)
+    if samples is None:
+        samples, lengths = open_samples(cfg)
+    else:
+        lengths = [len(s.input_ids) for s in samples]
+    source = InProcessSource(
+        samples, target, drafter.config.target_layer_ids,
+        max_length=cfg.data.max_length, token_budget=cfg.data.token_budget,
+        epochs=None if cfg.optim.max_steps is not None else cfg.optim.epochs,
+        seed=cfg.runtime.seed, shuffle=cfg.data.shuffle, pad_multiple=cfg.data.pad_multiple, lengths=lengths,
+    )  # fmt: skip
+    attention = cfg.runtime.attention
+    if attention == "auto":
+        attention = "flex" if device.type == "cuda" else "dense"
+    model: Any = drafter
+    if cfg.runtime.compile and device.type == "cuda":
+        model = torch.compile(drafter)  # compiles flex_attention with it; eager flex is slow on GPU
+    logger = MetricsLogger(
+        run, tensorboard=cfg.telemetry.tensorboard, wandb_project=cfg.telemetry.wandb_project,
+        config=to_dict(cfg),
+    )  # fmt: skip
+    trainer = Trainer(
+        cfg, target, drafter, source, run_dir=run, model=model, logger=logger, device=device,
+        compute_dtype=prec.compute, attention=attention, on_step_end=on_step_end,
+    )  # fmt: skip
+    if resume:
+        ckpt = latest_checkpoint(run)
+        assert ckpt is not None
+        trainer.restore(ckpt)
+        print(f"resumed from {ckpt} (step {trainer.step})", file=sys.stderr)
+    return trainer.run()

@@ -1,0 +1,362 @@
+"""The training loop: micro-batches in, optimizer steps, metrics, checkpoints, exact resume, guards.
+
+    trainer = Trainer(cfg, target, drafter, source, run_dir="runs/x")
+    trainer.restore(latest_checkpoint("runs/x"))    # optional: --resume
+    result = trainer.run()
+
+The loop does not care where batches come from (`FeatureSource`) or whether the drafter is
+wrapped (DDP/FSDP/compile: pass the wrapper as `model`, the plain module as `drafter`).
+Host syncs happen once per log interval (`_log`), never inside a step: non-finite steps are
+skipped on the device (fused AdamW's `found_inf`), and their count is read at log time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from flashdraft.config import to_dict
+from flashdraft.train.blocks import AnchorSampler, build_blocks
+from flashdraft.train.checkpoint import (
+    TrainerState,
+    load_drafter_weights,
+    load_trainer_state,
+    prune_checkpoints,
+    save_checkpoint,
+    step_of,
+)
+from flashdraft.train.config import TrainConfig
+from flashdraft.train.loss import loss_denominator, slot_weights
+from flashdraft.train.metrics import MetricsLogger
+from flashdraft.train.source import FeatureSource
+from flashdraft.train.step import NoiseSettings, micro_step
+
+OOM_HINT = (
+    "out of memory in the drafter step: lower data.token_budget (target tokens per micro-batch; raise "
+    "optim.grad_accum to keep the global batch), data.max_anchors (blocks per document) or data.max_length"
+)
+
+
+class TrainingError(RuntimeError):
+    pass
+
+
+@dataclass
+class LRSchedule:
+    """Linear warmup to `peak`, then cosine down to `peak × min_ratio` at `total_steps`."""
+
+    peak: float
+    total_steps: int
+    warmup_steps: int
+    min_ratio: float = 0.0
+
+    def __call__(self, step: int) -> float:  # step: optimizer steps already taken
+        if step < self.warmup_steps:
+            return self.peak * (step + 1) / self.warmup_steps
+        span = max(1, self.total_steps - self.warmup_steps)
+        progress = min(1.0, (step - self.warmup_steps) / span)
+        return self.peak * (self.min_ratio + (1 - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+@dataclass
+class TrainResult:
+    steps: int
+    epoch: int
+    stopped: str  # "max_steps" | "data_exhausted"
+    last_checkpoint: Path | None
+    last_metrics: dict[str, Any] = field(default_factory=dict)
+
+
+def config_hash(cfg: TrainConfig) -> str:
+    """Hash of what defines the training problem (not run_dir, checkpoint or telemetry settings)."""
+    d = to_dict(cfg)
+    key = {k: d[k] for k in ("model", "data", "loss", "optim")}
+    key["seed"] = d["runtime"]["seed"]
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+class _Interval:
+    """Device-side sums over one log interval (read once, at log time)."""
+
+    def __init__(self, block_size: int, device: torch.device) -> None:
+        z = lambda *s: torch.zeros(s, dtype=torch.float64, device=device)  # noqa: E731
+        self.loss_sum, self.grad_norm_sum, self.good_steps = z(), z(), z()
+        self.slot_correct, self.slot_count = z(block_size), z(block_size)
+        self.streak_sum, self.blocks = z(), z()
+        self.bad_steps, self.max_bad_streak = z(), z()
+        self.steps = 0
+        self.tokens = 0  # host ints: known from the CPU-side batches, no sync
+        self.anchors = 0
+        self.start = time.perf_counter()
+
+
+class Trainer:
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        target: Any,  # TargetModel (frozen embed_tokens, lm_head)
+        drafter: torch.nn.Module,  # the plain DFlashDrafter (parameters, checkpoints)
+        source: FeatureSource,
+        *,
+        run_dir: str | Path,
+        model: Callable[..., torch.Tensor]
+        | None = None,  # the forward to call (wrapped drafter); default drafter
+        logger: MetricsLogger | None = None,
+        device: torch.device | str | None = None,
+        compute_dtype: torch.dtype | None = None,  # bf16 autocast; None = the parameters' dtype
+        attention: str = "dense",  # "dense" | "flex"
+        rank: int = 0,
+        on_step_end: Callable[[Trainer, int], None] | None = None,  # test hook, called after each step
+    ) -> None:
+        self.cfg = cfg
+        self.target, self.drafter, self.source = target, drafter, source
+        self.model = model if model is not None else drafter
+        self.run_dir = Path(run_dir)
+        self.rank = rank
+        self.logger = logger or MetricsLogger(self.run_dir, tensorboard=False, enabled=rank == 0)
+        self.device = torch.device(device) if device is not None else next(drafter.parameters()).device
+        self.compute_dtype = compute_dtype
+        self.attention = attention
+        self.on_step_end = on_step_end
+        b = drafter.config.block_size
+        self.block_size, self.mask_token_id = b, drafter.config.mask_token_id
+        self.weights = slot_weights(b, cfg.loss.gamma)
+        self.noise = NoiseSettings(cfg.loss.feature_noise, cfg.loss.embedding_noise)
+        self.anchor_sampler = AnchorSampler(cfg.runtime.seed * 1_000_003 + rank)
+        params = [p for p in drafter.parameters() if p.requires_grad]
+        o = cfg.optim
+        self.optimizer = torch.optim.AdamW(
+            params, lr=o.lr, betas=(o.betas[0], o.betas[1]), weight_decay=o.weight_decay, fused=True
+        )
+        self.total_steps = self._total_steps()
+        self.schedule = LRSchedule(
+            o.lr, self.total_steps, math.ceil(o.warmup_ratio * self.total_steps), o.min_lr_ratio
+        )
+        self.step = 0
+        self.tokens_seen = 0
+        self.anchors_seen = 0
+        self._bad_streak = torch.zeros((), dtype=torch.float64, device=self.device)
+        self._checkpoint_requested = False
+        self._lr = self.schedule(0)
+        self.last_checkpoint: Path | None = None
+
+    # ------------------------------------------------------------------ setup
+
+    def _total_steps(self) -> int:
+        o = self.cfg.optim
+        if o.max_steps is not None:
+            return o.max_steps
+        return max(1, math.ceil(self.source.micro_batches_per_epoch() * o.epochs / o.grad_accum))
+
+    def _request_checkpoint(self, _signum: int, _frame: Any) -> None:
+        self._checkpoint_requested = True  # only a flag: the checkpoint is written at the next step boundary
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def _state(self) -> TrainerState:
+        rng: dict[str, Any] = {"torch_cpu": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            rng["torch_cuda"] = list(torch.cuda.get_rng_state_all())
+        info = {
+            "epoch": self.source.epoch,
+            "data": self.source.state_dict(),
+            "tokens_seen": self.tokens_seen,
+            "anchors_seen": self.anchors_seen,
+            "total_steps": self.total_steps,
+            "config_hash": config_hash(self.cfg),
+            "time": time.time(),
+        }
+        state = {
+            "optimizer": self.optimizer.state_dict(),
+            "rng": rng,
+            "anchor_sampler": self.anchor_sampler.state_dict(),
+        }
+        return TrainerState(info=info, state=state)
+
+    def save(self) -> Path:
+        path = save_checkpoint(self.run_dir, self.step, self.drafter, self._state())
+        prune_checkpoints(self.run_dir, self.cfg.checkpoint.keep_last, self.cfg.checkpoint.best_metric)
+        self.last_checkpoint = path
+        return path
+
+    def restore(self, checkpoint: str | Path) -> None:
+        """Continue exactly from a checkpoint: weights, optimizer, RNG, data position, anchor sampler."""
+        ts = load_trainer_state(checkpoint)
+        if ts.info.get("config_hash") != config_hash(self.cfg):
+            print(
+                f"warning: {checkpoint} was written with a different model/data/loss/optim config "
+                "(config_hash differs): the resumed run is not the same run",
+                file=sys.stderr,
+            )
+        load_drafter_weights(checkpoint, self.drafter)
+        self.optimizer.load_state_dict(ts.state["optimizer"])
+        torch.set_rng_state(ts.state["rng"]["torch_cpu"])
+        if "torch_cuda" in ts.state["rng"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(ts.state["rng"]["torch_cuda"])
+        self.anchor_sampler.load_state_dict(ts.state["anchor_sampler"])
+        self.source.load_state_dict(ts.info["data"])
+        self.step = step_of(checkpoint)
+        self.tokens_seen = int(ts.info.get("tokens_seen", 0))
+        self.anchors_seen = int(ts.info.get("anchors_seen", 0))
+        self.logger.truncate_after(self.step)
+        self.last_checkpoint = Path(checkpoint)
+
+    # ------------------------------------------------------------------ the loop
+
+    def run(self) -> TrainResult:
+        cfg = self.cfg
+        old_handler = None
+        if threading.current_thread() is threading.main_thread() and hasattr(signal, "SIGUSR1"):
+            old_handler = signal.signal(signal.SIGUSR1, self._request_checkpoint)
+        batches = iter(self.source)
+        stopped = "max_steps"
+        last: dict[str, Any] = {}
+        saved_at = -1
+        bar = None
+        if cfg.telemetry.progress and self.rank == 0:
+            from tqdm import tqdm
+
+            bar = tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step", file=sys.stderr)
+        interval = _Interval(self.block_size, self.device)
+        try:
+            while self.step < self.total_steps:
+                micro = []
+                for _ in range(cfg.optim.grad_accum):
+                    fb = next(batches, None)
+                    if fb is None:
+                        break
+                    micro.append(fb)
+                if not micro:
+                    stopped = "data_exhausted"
+                    break
+                try:
+                    self._optimizer_step(micro, interval)
+                except torch.OutOfMemoryError as e:
+                    raise TrainingError(f"step {self.step + 1}: {OOM_HINT}") from e
+                self.step += 1
+                if bar is not None:
+                    bar.update(1)
+                if self.on_step_end is not None:
+                    self.on_step_end(self, self.step)
+                if self.step % cfg.telemetry.log_every == 0 or self.step == self.total_steps:
+                    last = self._log(interval, bar)
+                    interval = _Interval(self.block_size, self.device)
+                if self.step % cfg.checkpoint.every == 0 or self._checkpoint_requested:
+                    self._checkpoint_requested = False
+                    self.save()
+                    saved_at = self.step
+            if interval.steps:
+                last = self._log(interval, bar)
+            if saved_at != self.step and self.step > 0:
+                self.save()
+        finally:
+            if bar is not None:
+                bar.close()
+            if old_handler is not None:
+                signal.signal(signal.SIGUSR1, old_handler)
+            self.logger.close()
+        return TrainResult(self.step, self.source.epoch, stopped, self.last_checkpoint, last)
+
+    def _optimizer_step(self, micro: list[Any], interval: _Interval) -> None:
+        cfg = self.cfg
+        drafts_cpu = [
+            build_blocks(
+                fb, self.anchor_sampler.sample(fb, cfg.data.max_anchors), self.block_size, self.mask_token_id
+            )
+            for fb in micro
+        ]
+        denom = loss_denominator(drafts_cpu, self.weights).clamp_min(1.0)  # ≥ 1 whenever any slot has a label
+        lr = self.schedule(self.step)
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        weights = self.weights.to(self.device)
+        step_ce = torch.zeros((), dtype=torch.float64, device=self.device)
+        for i, (fb, d_cpu) in enumerate(zip(micro, drafts_cpu, strict=True)):
+            draft = d_cpu.to(self.device, non_blocking=True)
+            last = i == len(micro) - 1
+            no_sync = getattr(self.model, "no_sync", None)
+            ctx = no_sync() if (no_sync is not None and not last) else contextlib.nullcontext()
+            with ctx:
+                out = micro_step(
+                    self.model, self.target, fb, draft, weights, denom,
+                    attention=self.attention, noise=self.noise, chunk_tokens=cfg.loss.chunk_tokens,
+                    compute_dtype=self.compute_dtype,
+                )  # fmt: skip
+                out.loss.backward()
+            step_ce += out.weighted_ce.double()
+            interval.slot_correct += out.slot_correct.double()
+            interval.slot_count += out.slot_count.double()
+            interval.streak_sum += out.streak_sum.double()
+            interval.blocks += out.num_blocks.double()
+            interval.tokens += fb.num_tokens
+            interval.anchors += int(d_cpu.valid.sum())
+            self.tokens_seen += fb.num_tokens
+            self.anchors_seen += int(d_cpu.valid.sum())
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip, foreach=True).double()
+        step_loss = step_ce / denom.double().to(self.device)
+        bad = ~(torch.isfinite(grad_norm) & torch.isfinite(step_loss))
+        # a non-finite step is skipped on the device: fused AdamW leaves weights and moments alone
+        self.optimizer.found_inf = bad.float()  # type: ignore[attr-defined]
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._bad_streak = torch.where(bad, self._bad_streak + 1, torch.zeros_like(self._bad_streak))
+        interval.max_bad_streak = torch.maximum(interval.max_bad_streak, self._bad_streak)
+        interval.bad_steps += bad.double()
+        good = (~bad).double()
+        interval.good_steps += good
+        interval.loss_sum += torch.where(bad, torch.zeros_like(step_loss), step_loss)
+        interval.grad_norm_sum += torch.where(bad, torch.zeros_like(grad_norm), grad_norm)
+        interval.steps += 1
+        self._lr = lr
+
+    def _log(self, iv: _Interval, bar: Any) -> dict[str, Any]:
+        """Read the interval's device sums (the one host sync), log them, apply the NaN guard."""
+        elapsed = max(time.perf_counter() - iv.start, 1e-9)
+        good = float(iv.good_steps)
+        bad = int(iv.bad_steps)
+        count = iv.slot_count.clamp_min(1)
+        slot_acc = (iv.slot_correct / count).tolist()[1:]  # slots 1..B−1 (slot 0 has no label)
+        labelled = float(iv.slot_count.sum())
+        values: dict[str, Any] = {
+            "epoch": self.source.epoch,
+            "loss": float(iv.loss_sum) / good if good else float("nan"),
+            "lr": self._lr,
+            "grad_norm": float(iv.grad_norm_sum) / good if good else float("nan"),
+            "acc": float(iv.slot_correct.sum()) / labelled if labelled else 0.0,
+            "slot_acc": slot_acc,
+            "tau_proxy": float(iv.streak_sum) / max(float(iv.blocks), 1.0) + 1.0,
+            "tokens_per_s": iv.tokens / elapsed,
+            "anchors_per_s": iv.anchors / elapsed,
+            "step_time_s": elapsed / max(iv.steps, 1),
+            "tokens_seen": self.tokens_seen,
+            "skipped_steps": bad,
+        }
+        self.logger.log(self.step, values)
+        if bar is not None:
+            bar.set_postfix(loss=f"{values['loss']:.3f}", tau=f"{values['tau_proxy']:.2f}", refresh=False)
+        if bad:
+            print(
+                f"warning: step {self.step}: skipped {bad} step(s) with a non-finite loss or gradient",
+                file=sys.stderr,
+            )
+        m = self.cfg.optim.max_bad_steps
+        if float(iv.max_bad_streak) >= m:
+            raise TrainingError(
+                f"stopped at step {self.step}: {m} optimizer steps in a row had a non-finite loss or gradient "
+                f"(optim.max_bad_steps={m}). Lower optim.lr, check the data, or resume from "
+                f"{self.last_checkpoint or 'a checkpoint'}"
+            )
+        return values

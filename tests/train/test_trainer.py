@@ -1,0 +1,228 @@
+"""Trainer: schedule, checkpoints and run layout, SIGUSR1, NaN guard, OOM message, exact resume after SIGKILL."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from flashdraft.config import load_config
+from flashdraft.drafter import DFlashDrafter
+from flashdraft.train import trainer as trainer_mod
+from flashdraft.train.checkpoint import latest_checkpoint, list_checkpoints, prune_checkpoints
+from flashdraft.train.config import TrainConfig
+from flashdraft.train.launch import build_drafter
+from flashdraft.train.metrics import read_metrics
+from flashdraft.train.source import InProcessSource
+from flashdraft.train.trainer import LRSchedule, Trainer, TrainingError
+from tests.conftest import tiny_target
+from tests.train.helpers import make_docs
+
+REPO = Path(__file__).resolve().parents[2]
+
+SMALL = [
+    "model.num_layers=1", "model.block_size=8", "data.max_length=48", "data.token_budget=96",
+    "data.max_anchors=6", "data.pad_multiple=1", "telemetry.log_every=1", "telemetry.tensorboard=false",
+    "telemetry.progress=false", "optim.lr=3e-3", "runtime.dtype=float32", "data.dataset=<in-memory>",
+]  # fmt: skip
+
+
+def make_trainer(tmp_path: Path, overrides: list[str], wrap=None, on_step_end=None) -> Trainer:  # noqa: ANN001
+    cfg = load_config(TrainConfig, None, [f"run_dir={tmp_path / 'run'}", *SMALL, *overrides])
+    t = tiny_target("llama", dtype=torch.float32)
+    drafter = build_drafter(cfg, t, torch.device("cpu"), torch.float32)
+    docs = make_docs([40, 30, 20, 45, 25, 33], seed=0)
+    source = InProcessSource(
+        docs, t, drafter.target_layer_ids, max_length=cfg.data.max_length, token_budget=cfg.data.token_budget,
+        epochs=None, seed=cfg.runtime.seed,
+    )  # fmt: skip
+    return Trainer(
+        cfg, t, drafter, wrap(source) if wrap else source, run_dir=cfg.run_dir, on_step_end=on_step_end
+    )
+
+
+def test_lr_schedule_warmup_then_cosine():
+    s = LRSchedule(peak=1.0, total_steps=100, warmup_steps=4, min_ratio=0.1)
+    assert [s(i) for i in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert s(4) == pytest.approx(1.0)
+    assert s(52) == pytest.approx(0.1 + 0.9 * 0.5)
+    assert s(100) == pytest.approx(0.1)
+    assert s(70) < s(60) < s(50)
+
+
+def test_checkpoints_layout_retention_and_best_by_eval(tmp_path):
+    tr = make_trainer(tmp_path, ["optim.max_steps=6", "checkpoint.every=2", "checkpoint.keep_last=2"])
+    result = tr.run()
+    run = tmp_path / "run"
+    assert result.steps == 6
+    assert [p.name for p in list_checkpoints(run)] == ["step-00000004", "step-00000006"]
+    assert latest_checkpoint(run) == run / "checkpoints" / "step-00000006"
+    # the drafter folder is a plain DFlash checkpoint holding the live weights
+    loaded = DFlashDrafter.from_pretrained(latest_checkpoint(run) / "drafter")
+    for k, v in tr.drafter.state_dict().items():
+        assert torch.equal(loaded.state_dict()[k], v), k
+    state = json.loads((latest_checkpoint(run) / "trainer_state.json").read_text())
+    assert state["step"] == 6 and "data" in state and "config_hash" in state
+    steps = [m["step"] for m in read_metrics(run)]
+    assert steps == [1, 2, 3, 4, 5, 6]
+    m = read_metrics(run)[-1]
+    for key in ("loss", "lr", "grad_norm", "slot_acc", "tau_proxy", "tokens_per_s", "anchors_per_s"):
+        assert key in m, key
+    assert len(m["slot_acc"]) == 7 and m["tau_proxy"] >= 1.0 and math.isfinite(m["loss"])
+    # best-by-eval survives keep-last pruning
+    (run / "eval").mkdir()
+    (run / "eval" / "log.jsonl").write_text(
+        json.dumps({"step": 4, "tau_chain": 3.0}) + "\n" + json.dumps({"step": 6, "tau_chain": 2.0}) + "\n"
+    )
+    tr2 = make_trainer(tmp_path, ["optim.max_steps=10", "checkpoint.every=2", "checkpoint.keep_last=1"])
+    tr2.restore(latest_checkpoint(run))
+    tr2.run()
+    assert [p.name for p in list_checkpoints(run)] == ["step-00000004", "step-00000010"]
+    assert prune_checkpoints(run, keep_last=1) == []
+
+
+def test_sigusr1_writes_a_checkpoint_at_the_next_step(tmp_path):
+    def poke(_tr: Trainer, step: int) -> None:
+        if step == 3:
+            os.kill(os.getpid(), signal.SIGUSR1)
+
+    tr = make_trainer(tmp_path, ["optim.max_steps=5", "checkpoint.every=1000"], on_step_end=poke)
+    handler_before = signal.getsignal(signal.SIGUSR1)
+    tr.run()
+    names = [p.name for p in list_checkpoints(tmp_path / "run")]
+    assert names == ["step-00000003", "step-00000005"]  # the signalled one, then the final one
+    assert signal.getsignal(signal.SIGUSR1) == handler_before
+
+
+class _NaNAt:
+    """Wraps a source; poisons the features of the listed micro-batches (1-based)."""
+
+    def __init__(self, inner: InProcessSource, poisoned: set[int] | None) -> None:
+        self.inner, self.poisoned, self.count = inner, poisoned, 0
+
+    def __iter__(self):  # noqa: ANN204
+        for fb in self.inner:
+            self.count += 1
+            if self.poisoned is None or self.count in self.poisoned:
+                fb.features = torch.full_like(fb.features, float("nan"))
+            yield fb
+
+    def __getattr__(self, name: str):  # noqa: ANN204
+        return getattr(self.inner, name)
+
+
+def test_nan_step_is_skipped_and_training_continues(tmp_path):
+    weights: dict[int, dict[str, torch.Tensor]] = {}
+
+    def snap(tr: Trainer, step: int) -> None:
+        weights[step] = {k: v.clone() for k, v in tr.drafter.state_dict().items()}
+
+    tr = make_trainer(tmp_path, ["optim.max_steps=5"], wrap=lambda s: _NaNAt(s, {3}), on_step_end=snap)
+    tr.run()
+    for k in weights[2]:
+        assert torch.equal(weights[2][k], weights[3][k]), f"{k} changed on a skipped step"
+    assert any(not torch.equal(weights[3][k], weights[4][k]) for k in weights[3])
+    assert all(torch.isfinite(v).all() for v in weights[5].values())
+    m = {r["step"]: r for r in read_metrics(tmp_path / "run")}
+    assert m[3]["skipped_steps"] == 1 and m[4]["skipped_steps"] == 0 and math.isfinite(m[4]["loss"])
+
+
+def test_nan_guard_stops_after_m_bad_steps_in_a_row(tmp_path):
+    tr = make_trainer(
+        tmp_path, ["optim.max_steps=20", "optim.max_bad_steps=3"], wrap=lambda s: _NaNAt(s, None)
+    )
+    with pytest.raises(TrainingError, match="3 optimizer steps in a row had a non-finite"):
+        tr.run()
+    assert read_metrics(tmp_path / "run")[-1]["step"] == 3
+
+
+def test_out_of_memory_names_the_knobs(tmp_path, monkeypatch):
+    def boom(*_a, **_k):  # noqa: ANN202
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(trainer_mod, "micro_step", boom)
+    tr = make_trainer(tmp_path, ["optim.max_steps=2"])
+    with pytest.raises(TrainingError, match=r"data\.token_budget.*data\.max_anchors.*data\.max_length"):
+        tr.run()
+
+
+def test_gradient_accumulation_matches_one_big_batch(tmp_path):
+    """Σw over the global batch: 2 micro-batches of 1 row == 1 micro-batch of 2 rows (same docs)."""
+    a = make_trainer(
+        tmp_path / "a",
+        ["optim.max_steps=1", "data.token_budget=48", "optim.grad_accum=2", "data.shuffle=false"],
+    )
+    b = make_trainer(tmp_path / "b", ["optim.max_steps=1", "data.token_budget=96", "data.shuffle=false"])
+    a.run()
+    b.run()
+    la, lb = read_metrics(tmp_path / "a" / "run")[0], read_metrics(tmp_path / "b" / "run")[0]
+    assert la["loss"] == pytest.approx(lb["loss"], rel=1e-5)
+    assert la["grad_norm"] == pytest.approx(lb["grad_norm"], rel=1e-4)
+
+
+# ----------------------------------------------------------------------------- exact resume (subprocess)
+
+
+def _write_run_inputs(tmp_path: Path) -> Path:
+    from flashdraft.data.dataset import Sample, write_dataset
+
+    t = tiny_target("llama", dtype=torch.float32)
+    t.model.save_pretrained(tmp_path / "target")
+    docs = make_docs([40, 30, 20, 45, 25, 33, 38, 27], seed=0)
+    write_dataset(
+        [Sample(d.id, d.input_ids, d.loss_mask) for d in docs], tmp_path / "data",
+        eval_fraction=0.0, contamination_sources=(), check_eval_split_overlap=False,
+    )  # fmt: skip
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(
+        f"model:\n  target: {tmp_path / 'target'}\n  num_layers: 1\n  block_size: 8\n"
+        f"data:\n  dataset: {tmp_path / 'data'}\n  max_length: 48\n  token_budget: 96\n  max_anchors: 6\n"
+        "  pad_multiple: 1\noptim:\n  max_steps: 30\n  lr: 3.0e-3\n"
+        "runtime:\n  deterministic: true\n  dtype: float32\n  device: cpu\n"
+        "checkpoint:\n  every: 3\n  keep_last: 2\ntelemetry:\n  log_every: 1\n  progress: false\n"
+    )
+    return cfg
+
+
+def _cli(cfg: Path, run: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "flashdraft.cli", "train", str(cfg), f"run_dir={run}", *extra]
+
+
+def test_exact_resume_after_sigkill(tmp_path):
+    cfg = _write_run_inputs(tmp_path)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    full = subprocess.run(_cli(cfg, tmp_path / "full"), cwd=REPO, env=env, capture_output=True, text=True)
+    assert full.returncode == 0, full.stderr[-2000:]
+    proc = subprocess.Popen(_cli(cfg, tmp_path / "cut"), cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        ck = latest_checkpoint(tmp_path / "cut")
+        if ck is not None and ck.name >= "step-00000006":
+            break
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+    killed_at = latest_checkpoint(tmp_path / "cut")
+    assert killed_at is not None and killed_at.name < "step-00000030"
+    res = subprocess.run(
+        _cli(cfg, tmp_path / "cut", "--resume"), cwd=REPO, env=env, capture_output=True, text=True
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert f"resumed from {killed_at}" in res.stderr
+    a, b = read_metrics(tmp_path / "full"), read_metrics(tmp_path / "cut")
+    assert [m["step"] for m in b] == list(range(1, 31))
+    assert [m["loss"] for m in a] == [m["loss"] for m in b]  # bit-identical, not approximately equal
+    assert [m["grad_norm"] for m in a] == [m["grad_norm"] for m in b]
+    wa = DFlashDrafter.from_pretrained(latest_checkpoint(tmp_path / "full") / "drafter").state_dict()
+    wb = DFlashDrafter.from_pretrained(latest_checkpoint(tmp_path / "cut") / "drafter").state_dict()
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert (tmp_path / "cut" / "command.txt").read_text().count("resume: ") == 1
