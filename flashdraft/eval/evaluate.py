@@ -1,0 +1,230 @@
+"""`evaluate()`: offline τ of one or more drafters on an eval set, as one `EvalReport`.
+
+    report = evaluate(target, {"ours": d1, "z-lab": d2}, prompts, budgets=[8, 32, 128], topk=8,
+                      max_new_tokens=256)
+    report.drafters["ours"].methods["ddtree-32"].tau
+
+The pipeline per prompt: the cached reference (references.py), one teacher-forced target pass
+shared by every drafter (the union of their layer ids), then each drafter's replay
+(offline.py). References from a server are checked against the local target's argmax and cut
+at the first disagreement; local greedy references are checked too, and any float near-tie
+divergence between the incremental and the teacher-forced pass is counted with its top-2
+margin, never hidden.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from flashdraft.drafter import DFlashDrafter
+from flashdraft.eval.offline import SampleResult, replay_sample, teacher_forced
+from flashdraft.eval.prompts import EvalPrompt
+from flashdraft.eval.references import Reference, ReferenceSettings, ServerConfig, compute_references
+from flashdraft.eval.replay import Method, methods_for
+from flashdraft.target import TargetModel, check_pair
+
+
+@dataclass
+class MethodSummary:
+    tau: float  # mean over rounds per sample, then over samples (DESIGN.md §3)
+    tau_token_weighted: float  # Σ committed / Σ rounds over all samples
+    predicted_tau: float  # the surrogate 1 + Σ q(u), averaged like tau (calibration)
+    rounds: int
+    histogram: list[int]  # rounds with τ = 1, 2, ..., B
+
+
+@dataclass
+class DrafterReport:
+    name: str
+    path: str
+    block_size: int
+    num_layers: int
+    methods: dict[str, MethodSummary]
+    slot_accuracy: list[float]  # slots 1..B−1 over chain rounds: P(draft == reference)
+    slot_accuracy_conditional: list[float]  # P(slot k correct | slots < k correct)
+    samples: int  # samples with at least one round
+    seconds: float
+    drafter_forwards: int
+    drafter_blocks: int
+    per_sample: list[dict[str, Any]] = field(default_factory=list)  # {"id", "tokens", "tau": {method: τ}}
+
+
+@dataclass
+class ReferenceStats:
+    count: int
+    source: str
+    temperature: float
+    tokens: int  # reference tokens replayed (after truncation)
+    computed: int
+    cached: int
+    seconds: float
+    checked: int  # positions compared with the teacher-forced argmax (T=0 only)
+    agreed: int
+    agreement_rate: float | None
+    truncated_samples: int  # server references cut at their first disagreement
+    divergences: list[dict[str, Any]] = field(default_factory=list)  # {"id", "index", "margin"}
+
+
+@dataclass
+class EvalReport:
+    target: str
+    dataset: str
+    template: str
+    max_new_tokens: int
+    temperature: float
+    budgets: list[int]
+    topk: list[int]
+    methods: list[str]
+    device: str
+    dtype: str
+    references: ReferenceStats
+    drafters: dict[str, DrafterReport]
+    seconds: float
+    teacher_forced_seconds: float
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _as_prompts(prompts: list[EvalPrompt] | list[list[int]]) -> list[EvalPrompt]:
+    out = []
+    for i, p in enumerate(prompts):
+        out.append(p if isinstance(p, EvalPrompt) else EvalPrompt(f"p{i:05d}", [int(t) for t in p], "token ids"))
+    return out
+
+
+def summarize(name: str, path: str, drafter: DFlashDrafter, results: list[SampleResult], methods: list[Method], seconds: float) -> DrafterReport:
+    b = drafter.block_size
+    ran = [r for r in results if r.methods and any(mr.acceptance_lengths for mr in r.methods.values())]
+    summaries: dict[str, MethodSummary] = {}
+    for m in methods:
+        per = [r.methods[m.name] for r in ran]
+        lengths = [t for mr in per for t in mr.acceptance_lengths]
+        hist = [0] * b
+        for t in lengths:
+            hist[t - 1] += 1
+        summaries[m.name] = MethodSummary(
+            tau=sum(mr.tau for mr in per) / len(per) if per else 0.0,
+            tau_token_weighted=sum(lengths) / len(lengths) if lengths else 0.0,
+            predicted_tau=sum(sum(mr.predicted) / len(mr.predicted) for mr in per) / len(per) if per else 0.0,
+            rounds=len(lengths),
+            histogram=hist,
+        )
+
+    def ratio(num: list[int], den: list[int]) -> list[float]:
+        return [n / d if d else float("nan") for n, d in zip(num, den, strict=True)]
+
+    tot = [sum(r.slot_total[k] for r in ran) for k in range(b - 1)]
+    cor = [sum(r.slot_correct[k] for r in ran) for k in range(b - 1)]
+    ctot = [sum(r.slot_cond_total[k] for r in ran) for k in range(b - 1)]
+    ccor = [sum(r.slot_cond_correct[k] for r in ran) for k in range(b - 1)]
+    return DrafterReport(
+        name=name, path=path, block_size=b, num_layers=drafter.config.num_hidden_layers, methods=summaries,
+        slot_accuracy=ratio(cor, tot), slot_accuracy_conditional=ratio(ccor, ctot), samples=len(ran),
+        seconds=seconds, drafter_forwards=sum(r.drafter_forwards for r in results),
+        drafter_blocks=sum(r.drafter_blocks for r in results),
+        per_sample=[
+            {"id": r.id, "tokens": r.reference_tokens, "tau": {k: v.tau for k, v in r.methods.items()}} for r in ran
+        ],
+    )  # fmt: skip
+
+
+@torch.no_grad()
+def evaluate(
+    target: TargetModel,
+    drafters: dict[str, DFlashDrafter],
+    prompts: list[EvalPrompt] | list[list[int]],
+    *,
+    budgets: list[int] = (8, 16, 32, 64, 128, 256, 512),  # type: ignore[assignment]
+    topk: list[int] | int | None = 8,
+    max_new_tokens: int = 256,
+    temperature: float = 0.0,
+    seed: int = 0,
+    stop_token_ids: list[int] | None = None,
+    references: list[Reference] | None = None,
+    cache_dir: str | Path | None = None,
+    server: ServerConfig | None = None,
+    dataset: str = "",
+    drafter_paths: dict[str, str] | None = None,
+    progress: bool = True,
+) -> EvalReport:
+    """Offline τ (chain, each DDTree budget, the top-k streak) of every drafter on `prompts`."""
+    from tqdm import tqdm
+
+    t0 = time.perf_counter()
+    if not drafters:
+        raise ValueError("evaluate needs at least one drafter")
+    for name, d in drafters.items():
+        try:
+            check_pair(target, d.config)
+        except ValueError as e:
+            raise ValueError(f"drafter {name!r}: {e}") from None
+    methods = methods_for(sorted(set(budgets)), topk)
+    prompts = _as_prompts(prompts)
+    if references is None:
+        settings = ReferenceSettings(max_new_tokens, temperature, seed, stop_token_ids)
+        rs = compute_references(target, prompts, settings, cache_dir=cache_dir, server=server, progress=progress)
+        refs, computed, cached, ref_s = rs.references, rs.computed, rs.cached, rs.seconds
+    else:
+        refs, computed, cached, ref_s = list(references), 0, len(references), 0.0
+    source = refs[0].source if refs else "local"
+    union: list[int] = []
+    for d in drafters.values():
+        union += [i for i in d.target_layer_ids if i not in union]
+
+    results: dict[str, list[SampleResult]] = {n: [] for n in drafters}
+    seconds = dict.fromkeys(drafters, 0.0)
+    stats = ReferenceStats(len(refs), source, temperature, 0, computed, cached, ref_s, 0, 0, None, 0)
+    tf_s = 0.0
+    bar = tqdm(refs, desc="offline τ", disable=not progress, unit="prompt")
+    for ref in bar:
+        cont = ref.tokens[:max_new_tokens]
+        p = len(ref.prompt_ids)
+        t1 = time.perf_counter()
+        tf = teacher_forced(target, ref.prompt_ids + cont, union)
+        tf_s += time.perf_counter() - t1
+        if ref.temperature == 0 and cont:
+            # the target's argmax after position p+j−1 must be reference token j
+            choice = tf.choice[p - 1 : p - 1 + len(cont)].tolist()
+            agree = [c == r for c, r in zip(choice, cont, strict=True)]
+            stats.checked += len(agree)
+            stats.agreed += sum(agree)
+            for j, ok in enumerate(agree):
+                if not ok:
+                    stats.divergences.append({"id": ref.id, "index": j, "margin": float(tf.margin[p - 1 + j])})
+            if ref.source != "local" and not all(agree):
+                cont = cont[: agree.index(False)]  # replay stops at the first disagreement
+                stats.truncated_samples += 1
+        stats.tokens += len(cont)
+        for name, d in drafters.items():
+            t1 = time.perf_counter()
+            results[name].append(replay_sample(target, d, tf, p, cont, methods, ref.id))
+            seconds[name] += time.perf_counter() - t1
+    stats.agreement_rate = stats.agreed / stats.checked if stats.checked else None
+    paths = drafter_paths or {}
+    reports = {
+        n: summarize(n, paths.get(n, ""), d, results[n], methods, seconds[n]) for n, d in drafters.items()
+    }
+    notes = [
+        "ddtree-N: a DDTree of N nodes (root excluded), tau <= N+1; topk-K: top-k streak (reference token in the "
+        "drafter's top-K at every slot, the acceptance of a full top-K-per-slot tree), tau <= B",
+    ]
+    if stats.divergences:
+        notes.append(
+            f"{len(stats.divergences)} reference tokens differ from the teacher-forced argmax "
+            f"(float near-ties; smallest margin {min(x['margin'] for x in stats.divergences):.3g})"
+        )
+    return EvalReport(
+        target=getattr(target, "name", "target"), dataset=dataset,
+        template=refs[0].template if refs else "", max_new_tokens=max_new_tokens, temperature=temperature,
+        budgets=sorted(set(budgets)), topk=[m.size for m in methods if m.kind == "topk"],
+        methods=[m.name for m in methods], device=str(target.device), dtype=str(target.dtype).removeprefix("torch."),
+        references=stats, drafters=reports, seconds=time.perf_counter() - t0, teacher_forced_seconds=tf_s,
+        notes=notes,
+    )  # fmt: skip

@@ -1,0 +1,133 @@
+"""Eval prompt sets, registered by name, turned into the exact token ids the target sees.
+
+    prompts = load_eval_prompts("humaneval", target, limit=20)     # published DFlash wording, chat template
+    prompts = load_eval_prompts("sharegpt-heldout", target)        # ShareGPT conversations in the held-out split
+    prompts = load_eval_prompts("data/sharegpt-smollm2", target)   # a regenerated dataset's eval split (exact ids)
+    prompts = load_eval_prompts("my_prompts.jsonl", target)        # any file flashdraft.data.sources reads
+
+Each `EvalPrompt` carries its token ids and a `template` string saying how they were made, so
+a report can state the prompt formatting next to every number (DESIGN.md §5: compare with
+published figures only under the same wording and max_new_tokens).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+HELDOUT_FRACTION = 0.02  # must match the data pipeline's default eval_fraction (flashdraft.data)
+
+
+@dataclass
+class EvalPrompt:
+    id: str
+    input_ids: list[int]  # the prompt exactly as the target sees it (chat template applied)
+    template: str  # how input_ids were made, e.g. "chat-template(humaneval wording)" or "token ids"
+    messages: list[dict[str, str]] = field(default_factory=list)  # the chat turns, when known
+
+
+_SETS: dict[str, Callable[[Any, int | None], list[EvalPrompt]]] = {}
+
+
+def register_prompt_set(name: str) -> Callable:
+    """Decorator: `@register_prompt_set("humaneval")` makes `--dataset humaneval` work."""
+
+    def deco(fn: Callable[[Any, int | None], list[EvalPrompt]]) -> Callable:
+        _SETS[name] = fn
+        return fn
+
+    return deco
+
+
+def prompt_set_names() -> list[str]:
+    return sorted(_SETS)
+
+
+def chat_ids(target: Any, messages: list[dict[str, str]]) -> list[int]:
+    """Apply the target's chat template (generation prompt added); refuse a target without a tokenizer."""
+    tok = getattr(target, "tokenizer", None)
+    if tok is None:
+        raise ValueError(
+            f"target {getattr(target, 'name', '?')} has no tokenizer, so chat prompts cannot be encoded: "
+            "pass prompts as token ids (a regenerated dataset folder) or load a target with a tokenizer"
+        )
+    out = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
+    ids = out["input_ids"]
+    if ids and isinstance(ids[0], list):
+        ids = ids[0]
+    return [int(i) for i in ids]
+
+
+def _from_conversations(target: Any, spec: str, limit: int | None, label: str, keep: Callable[[Any], bool]) -> list[EvalPrompt]:
+    from flashdraft.data.sources import iter_conversations
+
+    out: list[EvalPrompt] = []
+    for conv in iter_conversations(spec):
+        if not keep(conv):
+            continue
+        # the first user turn (with any system turn before it): a single-turn prompt, as published
+        messages: list[dict[str, str]] = []
+        for t in conv.turns:
+            if t.role == "assistant":
+                break
+            messages.append({"role": t.role, "content": t.content})
+        if not any(m["role"] == "user" for m in messages):
+            continue
+        out.append(EvalPrompt(conv.id, chat_ids(target, messages), f"chat-template({label})", messages))
+        if limit is not None and len(out) >= limit:
+            break
+    return out
+
+
+@register_prompt_set("humaneval")
+def humaneval(target: Any, limit: int | None) -> list[EvalPrompt]:
+    # flashdraft.data.sources applies the DFlash paper wording ("Write a solution to the following
+    # problem and make sure that it passes the tests:" + the problem in a python code fence)
+    return _from_conversations(target, "humaneval", limit, "humaneval: DFlash paper wording", lambda c: True)
+
+
+@register_prompt_set("sharegpt-heldout")
+def sharegpt_heldout(target: Any, limit: int | None) -> list[EvalPrompt]:
+    from flashdraft.data.dataset import split_of
+
+    return _from_conversations(
+        target, "sharegpt", limit, f"sharegpt held-out split ({HELDOUT_FRACTION:g})",
+        lambda c: split_of(c.id, HELDOUT_FRACTION) == "eval",
+    )  # fmt: skip
+
+
+def _from_dataset_dir(path: Path, limit: int | None) -> list[EvalPrompt]:
+    """The eval split of a regenerated dataset: the prompt is every token before the first loss token."""
+    from flashdraft.data.dataset import open_dataset
+
+    ds = open_dataset(path, split="eval")
+    out: list[EvalPrompt] = []
+    for s in ds:
+        first = int(s.loss_mask.argmax()) if s.loss_mask.any() else len(s.input_ids)
+        if first == 0:
+            continue
+        msgs = s.meta.get("prompt_messages") or s.meta.get("messages") or []
+        out.append(EvalPrompt(s.id, [int(i) for i in s.input_ids[:first]], f"token ids ({path} eval split)", msgs))
+        if limit is not None and len(out) >= limit:
+            break
+    return out
+
+
+def load_eval_prompts(spec: str, target: Any, limit: int | None = None) -> list[EvalPrompt]:
+    """A registered set name, a regenerated dataset folder, or a file `flashdraft.data.sources` reads."""
+    if spec in _SETS:
+        prompts = _SETS[spec](target, limit)
+    elif Path(spec).is_dir() and (Path(spec) / "manifest.json").is_file():
+        prompts = _from_dataset_dir(Path(spec), limit)
+    else:
+        if not Path(spec.split(":", 1)[-1]).exists():
+            raise FileNotFoundError(
+                f"--dataset {spec!r}: not a registered set ({', '.join(prompt_set_names())}), "
+                "a dataset folder, or an existing file"
+            )
+        prompts = _from_conversations(target, spec, limit, f"file {spec}", lambda c: True)
+    if not prompts:
+        raise ValueError(f"--dataset {spec!r} gave no prompts")
+    return prompts

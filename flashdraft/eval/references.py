@@ -1,0 +1,283 @@
+"""Target reference continuations for an eval set, computed once and cached on disk.
+
+    refs = compute_references(target, prompts, ReferenceSettings(max_new_tokens=256))
+    refs = compute_references(target, prompts, settings, server=ServerConfig("http://localhost:30000/v1"))
+
+A reference is what the target itself answers (greedy at T=0, or a seeded sample at T>0): the
+offline replay (offline.py) treats it as the target's choice at every position. Local
+references come from `flashdraft.decode.generate(method="ar")`, so they are token-identical to
+plain autoregressive decoding. Server references (an OpenAI-compatible SGLang/vLLM endpoint)
+are checked later against the local target's teacher-forced argmax (offline.py truncates at
+the first disagreement and reports the agreement rate).
+
+Cache: one JSON file per reference under `cache_dir` (default ~/.cache/flashdraft/references or
+$FLASHDRAFT_CACHE/references), named by a hash of the target's identity (geometry, dtype and a
+fingerprint of its weights), the prompt template, the prompt token ids and the settings.
+Written atomically (temp + rename), so a killed run leaves no half-written entry.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from flashdraft.eval.prompts import EvalPrompt
+
+FORMAT = "flashdraft-reference/1"
+
+
+@dataclass
+class ReferenceSettings:
+    max_new_tokens: int = 256
+    temperature: float = 0.0  # 0 = greedy; > 0 = a seeded sample per prompt
+    seed: int = 0  # base seed; each prompt's seed is derived from it and the prompt id
+    stop_token_ids: list[int] | None = None  # None = the target's own stop tokens
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens {self.max_new_tokens} must be >= 1")
+        if self.temperature < 0:
+            raise ValueError(f"temperature {self.temperature} must be >= 0 (0 = greedy)")
+
+
+@dataclass
+class ServerConfig:
+    """An OpenAI-compatible completions endpoint (SGLang, vLLM) serving the same target."""
+
+    url: str  # base URL including /v1, e.g. http://localhost:30000/v1
+    model: str | None = None  # the served model name (None: the server's first model)
+    concurrency: int = 8  # requests in flight at once
+    retries: int = 3  # extra attempts per request, exponential back-off
+    timeout_s: float = 600.0
+    api_key: str | None = None
+
+
+@dataclass
+class Reference:
+    id: str
+    prompt_ids: list[int]
+    tokens: list[int]  # the continuation: new tokens only, the stop token included if hit
+    template: str
+    source: str  # "local" | "server:<url>"
+    temperature: float
+    seed: int | None  # the per-prompt sampling seed (None when greedy)
+    stop_reason: str  # "stop" | "length" | server finish_reason
+    key: str
+
+
+@dataclass
+class ReferenceSet:
+    references: list[Reference]
+    computed: int  # references produced by this call (target or server runs)
+    cached: int  # references read from the cache
+    seconds: float
+
+
+def default_cache_dir() -> Path:
+    root = os.environ.get("FLASHDRAFT_CACHE")
+    return Path(root) / "references" if root else Path.home() / ".cache" / "flashdraft" / "references"
+
+
+def target_stop_ids(target: Any) -> list[int]:
+    """The target's stop tokens: generation_config.eos_token_id plus the tokenizer's eos."""
+    ids: set[int] = set()
+    gen = getattr(getattr(target, "model", None), "generation_config", None)
+    eos = getattr(gen, "eos_token_id", None)
+    if eos is not None:
+        ids.update([eos] if isinstance(eos, int) else list(eos))
+    tok = getattr(target, "tokenizer", None)
+    if tok is not None and tok.eos_token_id is not None:
+        ids.add(int(tok.eos_token_id))
+    return sorted(int(i) for i in ids)
+
+
+_FINGERPRINTS: dict[int, tuple[Any, str]] = {}
+
+
+def target_fingerprint(target: Any) -> str:
+    """A hash of the target's geometry, dtype and a strided sample of every weight (cheap, ~4K values each)."""
+    hit = _FINGERPRINTS.get(id(target))
+    if hit is not None and hit[0] is target:
+        return hit[1]
+    h = hashlib.sha256()
+    h.update(json.dumps(target.geometry(), sort_keys=True, default=str).encode())
+    for name, p in target.model.named_parameters():
+        flat = p.detach().reshape(-1)
+        step = max(1, flat.numel() // 4096)
+        h.update(name.encode())
+        h.update(flat[::step].to("cpu", torch.float64).numpy().tobytes())
+    digest = h.hexdigest()[:24]
+    _FINGERPRINTS[id(target)] = (target, digest)
+    return digest
+
+
+def prompt_seed(base: int, prompt_id: str) -> int:
+    """A per-prompt seed that does not depend on the order or number of prompts."""
+    return int.from_bytes(hashlib.blake2b(f"{base}:{prompt_id}".encode(), digest_size=6).digest(), "big")
+
+
+def reference_key(fingerprint: str, prompt: EvalPrompt, settings: ReferenceSettings, stop: list[int], source: str) -> str:
+    payload = {
+        "format": FORMAT, "target": fingerprint, "template": prompt.template, "prompt_ids": prompt.input_ids,
+        "max_new_tokens": settings.max_new_tokens, "temperature": settings.temperature,
+        "seed": prompt_seed(settings.seed, prompt.id) if settings.temperature > 0 else None,
+        "stop": stop, "source": source,
+    }  # fmt: skip
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def _path(cache_dir: Path, key: str) -> Path:
+    return cache_dir / key[:2] / f"{key}.json"
+
+
+def _read(path: Path) -> Reference | None:
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None  # a missing or unreadable entry is recomputed
+    if raw.pop("format", None) != FORMAT:
+        return None
+    return Reference(**raw)
+
+
+def _write(path: Path, ref: Reference) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    with os.fdopen(fd, "w") as f:
+        json.dump({"format": FORMAT, **asdict(ref)}, f)
+    os.replace(tmp, path)
+
+
+# ----------------------------------------------------------------------------- producers
+
+
+def _local(target: Any, prompt: EvalPrompt, settings: ReferenceSettings, stop: list[int]) -> tuple[list[int], str]:
+    from flashdraft.decode.generate import generate
+
+    seed = prompt_seed(settings.seed, prompt.id) if settings.temperature > 0 else None
+    res = generate(
+        target, None, prompt.input_ids, max_new_tokens=settings.max_new_tokens, method="ar",
+        temperature=settings.temperature, stop_token_ids=stop, seed=seed,
+    )  # fmt: skip
+    return res.tokens, res.stop_reason
+
+
+def _server_request(
+    client: Any, server: ServerConfig, prompt: EvalPrompt, settings: ReferenceSettings, stop: list[int],
+    tokenizer: Any,
+) -> tuple[list[int], str]:  # fmt: skip
+    body: dict[str, Any] = {
+        "prompt": prompt.input_ids,  # token ids: no second tokenization of the prompt on the server
+        "max_tokens": settings.max_new_tokens, "temperature": settings.temperature,
+        "stop_token_ids": stop, "skip_special_tokens": False, "return_token_ids": True,
+    }  # fmt: skip
+    if server.model:
+        body["model"] = server.model
+    if settings.temperature > 0:
+        body["seed"] = prompt_seed(settings.seed, prompt.id) % (2**31)
+    last: Exception | None = None
+    for attempt in range(server.retries + 1):
+        try:
+            r = client.post(server.url.rstrip("/") + "/completions", json=body)
+            if r.status_code >= 500 or r.status_code == 429:
+                raise RuntimeError(f"HTTP {r.status_code}: {r.text[:200]}")
+            if r.status_code >= 400:  # a client error will not get better by retrying
+                raise ValueError(f"{server.url}: HTTP {r.status_code} for prompt {prompt.id}: {r.text[:300]}")
+            choice = r.json()["choices"][0]
+            break
+        except ValueError:
+            raise
+        except Exception as e:  # transport errors, 5xx, 429: back off and retry
+            last = e
+            if attempt == server.retries:
+                raise RuntimeError(f"{server.url}: prompt {prompt.id} failed after {attempt + 1} attempts: {e}") from e
+            time.sleep(min(2.0**attempt * 0.5, 10.0))
+    reason = str(choice.get("finish_reason") or "length")
+    ids = choice.get("token_ids") or choice.get("output_token_ids")
+    if ids is None:
+        if tokenizer is None:
+            raise ValueError(f"{server.url} returned text only and the local target has no tokenizer to encode it")
+        ids = tokenizer.encode(choice.get("text", ""), add_special_tokens=False)
+        if reason == "stop" and stop and (not ids or ids[-1] not in stop):
+            matched = choice.get("matched_stop") or choice.get("stop_reason")
+            ids = [*ids, matched if isinstance(matched, int) and matched in stop else stop[0]]
+    return [int(i) for i in ids][: settings.max_new_tokens], reason
+
+
+def compute_references(
+    target: Any,
+    prompts: list[EvalPrompt],
+    settings: ReferenceSettings,
+    *,
+    cache_dir: str | Path | None = None,
+    server: ServerConfig | None = None,
+    progress: bool = True,
+    transport: Any | None = None,  # an httpx transport (tests use httpx.MockTransport)
+    on_reference: Callable[[Reference], None] | None = None,
+) -> ReferenceSet:
+    """References for `prompts`, from the cache where present, else from the target or the server."""
+    from tqdm import tqdm
+
+    t0 = time.perf_counter()
+    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    stop = list(settings.stop_token_ids) if settings.stop_token_ids is not None else target_stop_ids(target)
+    source = "local" if server is None else f"server:{server.url}"
+    fp = target_fingerprint(target)
+    keys = [reference_key(fp, p, settings, stop, source) for p in prompts]
+    out: list[Reference | None] = [_read(_path(cache, k)) for k in keys]
+    todo = [i for i, r in enumerate(out) if r is None]
+    cached = len(prompts) - len(todo)
+
+    def make(i: int, tokens: list[int], reason: str) -> Reference:
+        p = prompts[i]
+        seed = prompt_seed(settings.seed, p.id) if settings.temperature > 0 else None
+        ref = Reference(p.id, list(p.input_ids), tokens, p.template, source, settings.temperature, seed, reason, keys[i])
+        _write(_path(cache, keys[i]), ref)
+        if on_reference is not None:
+            on_reference(ref)
+        return ref
+
+    bar = tqdm(total=len(todo), desc=f"references ({source})", disable=not progress or not todo, unit="prompt")
+    if server is None:
+        for i in todo:
+            tokens, reason = _local(target, prompts[i], settings, stop)
+            out[i] = make(i, tokens, reason)
+            bar.update(1)
+    elif todo:
+        import httpx
+
+        headers = {"Authorization": f"Bearer {server.api_key}"} if server.api_key else {}
+        with httpx.Client(timeout=server.timeout_s, transport=transport, headers=headers) as client:
+            with ThreadPoolExecutor(max_workers=max(1, server.concurrency)) as pool:
+                futures = {
+                    i: pool.submit(_server_request, client, server, prompts[i], settings, stop, target.tokenizer)
+                    for i in todo
+                }
+                for i, fut in futures.items():
+                    tokens, reason = fut.result()
+                    out[i] = make(i, tokens, reason)
+                    bar.update(1)
+    bar.close()
+    refs = [r for r in out if r is not None]
+    return ReferenceSet(refs, len(todo), cached, time.perf_counter() - t0)
+
+
+@dataclass
+class ReferenceCheck:
+    """How a server reference agrees with the local target's teacher-forced argmax."""
+
+    checked: int = 0  # reference tokens compared
+    agreed: int = 0
+    kept: int = 0  # tokens before the first disagreement (what the replay uses)
+    first_disagreement: int | None = None
+    margins: list[float] = field(default_factory=list)  # top-2 logit margin where they disagree

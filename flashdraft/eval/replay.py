@@ -1,0 +1,154 @@
+"""Replaying decode rounds against a reference: chain, DDTree budgets and the top-k streak.
+
+Given the drafter's per-slot argmax and top-K log-probs at a round start s (offline.py
+computes them), the reference decides every round exactly as `flashdraft.decode.generate`
+would at T=0 (the reference token *is* the target's choice) and in distribution at T>0:
+
+    method = Method.parse("ddtree-64")
+    outcome = accept(method, rows, reference_slots)       # accepted drafts + the surrogate's prediction
+
+Method names (never confuse the last two — DESIGN.md §3):
+    chain       vanilla DFlash: accept the longest prefix where draft == reference token
+    ddtree-N    a DDTree of N nodes (root excluded), built exactly as `flashdraft.tree.build_tree`
+                builds it online, so τ <= N + 1
+    topk-K      the top-k streak: a reference token only has to be in the drafter's top-K at its
+                slot (the acceptance of a *full* top-K-per-slot tree; τ can reach B)
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass
+
+import torch
+
+from flashdraft.tree import Tree
+
+
+@dataclass(frozen=True)
+class Method:
+    kind: str  # "chain" | "ddtree" | "topk"
+    size: int = 0  # DDTree budget or top-k width
+
+    @property
+    def name(self) -> str:
+        return "chain" if self.kind == "chain" else f"{self.kind}-{self.size}"
+
+    @classmethod
+    def parse(cls, text: str) -> Method:
+        t = text.strip().lower()
+        if t == "chain":
+            return cls("chain")
+        kind, _, num = t.partition("-")
+        if kind in ("ddtree", "topk") and num.isdigit() and int(num) > 0:
+            return cls(kind, int(num))
+        raise ValueError(f"unknown replay method {text!r}: use chain, ddtree-N (budget N) or topk-K")
+
+    @property
+    def width(self) -> int:
+        """Per-slot top-k entries this method reads."""
+        return 1 if self.kind == "chain" else self.size
+
+
+def methods_for(budgets: list[int], topk: list[int] | int | None) -> list[Method]:
+    ks = [topk] if isinstance(topk, int) else list(topk or [])
+    return [Method("chain"), *(Method("ddtree", b) for b in budgets), *(Method("topk", k) for k in ks)]
+
+
+@dataclass
+class DraftRows:
+    """The drafter's output at one round start, reduced to what every replay needs."""
+
+    argmax: list[int]  # [B-1] argmax of the logits per slot (the chain's drafts)
+    top_lp: torch.Tensor  # float32 [B-1, K] full-vocabulary log-softmax, sorted descending
+    top_ids: torch.Tensor  # int64 [B-1, K]
+    vocab: int  # the full vocabulary size (K == vocab means the lists are complete)
+
+
+@dataclass
+class Outcome:
+    accepted: int  # drafts accepted (before the length/stop clip); τ = min(accepted + 1, remaining)
+    predicted: float  # surrogate τ: 1 + Σ over drafted prefixes of their probability under the drafter
+    slot_correct: list[bool] | None = None  # chain only: draft == reference at each comparable slot
+
+
+def build_tree_from_topk(top_lp: torch.Tensor, top_ids: torch.Tensor, budget: int, vocab: int | None = None) -> Tree:
+    """The tree `flashdraft.tree.build_tree(logits, budget)` builds, from stored top-K (K >= budget).
+
+    Same scores (float32 log-softmax values summed as Python floats) and the same tie order
+    (score, then depth, then rank in the slot, then parent), so offline and online trees are
+    identical node for node. Only children, depths and scores are filled in what replay uses.
+    """
+    num_slots, width = top_lp.shape
+    k = min(budget, width)
+    if budget > width and width != vocab:
+        raise ValueError(f"budget {budget} needs the top-{budget} per slot, only {width} were stored")
+    lp = top_lp[:, :k].tolist()
+    ids = top_ids[:, :k].tolist()
+    tokens: list[int] = []
+    parents: list[int] = [-1]
+    depths: list[int] = []
+    scores: list[float] = []
+    ranks: list[int] = []
+    children: list[dict[int, int]] = [{}]
+    # entry: (-score, depth, rank, parent, parent score)
+    heap: list[tuple[float, int, int, int, float]] = [(-lp[0][0], 1, 0, 0, 0.0)] if budget and num_slots else []
+    while heap and len(tokens) < budget:
+        neg, depth, rank, parent, base = heapq.heappop(heap)
+        node = len(parents)
+        tok = ids[depth - 1][rank]
+        tokens.append(tok)
+        parents.append(parent)
+        depths.append(depth)
+        scores.append(-neg)
+        ranks.append(rank)
+        children.append({})
+        children[parent][tok] = node
+        if rank + 1 < k:
+            heapq.heappush(heap, (-(base + lp[depth - 1][rank + 1]), depth, rank + 1, parent, base))
+        if depth < num_slots:
+            heapq.heappush(heap, (-(-neg + lp[depth][0]), depth + 1, 0, node, -neg))
+    return Tree(
+        tokens=torch.tensor(tokens, dtype=torch.long),
+        parents=parents,
+        depths=torch.tensor(depths, dtype=torch.long),
+        log_probs=torch.tensor(scores, dtype=torch.float32),
+        slot_ranks=torch.tensor(ranks, dtype=torch.long),
+        children=children,
+    )
+
+
+def accept(method: Method, rows: DraftRows, ref: list[int]) -> Outcome:
+    """Drafts accepted at this round start; `ref` = the reference tokens after the bonus (<= B-1 of them)."""
+    if method.kind == "chain":
+        correct = [d == r for d, r in zip(rows.argmax, ref, strict=False)]
+        a = 0
+        while a < len(correct) and correct[a]:
+            a += 1
+        # surrogate: P(first k drafts all accepted) under the drafter's own distribution
+        cum, pred = 0.0, 1.0
+        for lp0 in rows.top_lp[:, 0].tolist():
+            cum += lp0
+            pred += math.exp(cum)
+        return Outcome(a, pred, correct)
+    if method.kind == "ddtree":
+        tree = build_tree_from_topk(rows.top_lp, rows.top_ids, method.size, rows.vocab)
+        node, a = 0, 0
+        for tok in ref:
+            child = tree.children[node].get(tok)
+            if child is None:
+                break
+            node, a = child, a + 1
+        return Outcome(a, 1.0 + float(torch.exp(tree.log_probs.double()).sum()))
+    if method.kind == "topk":
+        k = method.size
+        if k > rows.top_ids.shape[1] and rows.top_ids.shape[1] != rows.vocab:
+            raise ValueError(f"{method.name} needs the top-{k} per slot, only {rows.top_ids.shape[1]} were stored")
+        ids = rows.top_ids[:, :k].tolist()
+        a = 0
+        while a < len(ref) and ref[a] in ids[a]:
+            a += 1
+        mass = torch.exp(rows.top_lp[:, :k].double()).sum(-1).cumprod(0)  # [B-1] P(streak reaches slot k)
+        return Outcome(a, 1.0 + float(mass.sum()))
+    raise ValueError(f"unknown method kind {method.kind!r}")

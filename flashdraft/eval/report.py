@@ -1,0 +1,210 @@
+"""Eval reports: JSON with every number, a Markdown table, PNG plots (matplotlib, Agg).
+
+    files = write_report(report, "out/eval")           # report.json, report.md, *.png
+    print(markdown_table(report))
+    plot_watch_log("RUN/eval/log.jsonl", "RUN/eval/tau_over_steps.png")
+
+Labels follow DESIGN.md §3: `ddtree-N` is a DDTree of N nodes (τ ≤ N+1); `topk-K` is the
+top-k streak (τ ≤ B). The prompt formatting and max_new_tokens are written into every report.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from flashdraft.eval.evaluate import EvalReport
+
+
+@dataclass
+class ReportFiles:
+    json: Path
+    markdown: Path
+    plots: list[Path]
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def _clean(x: Any) -> Any:
+    """JSON has no NaN: write null (a slot never compared)."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _clean(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_clean(v) for v in x]
+    return x
+
+
+def report_json(report: EvalReport | dict[str, Any]) -> str:
+    d = report.to_dict() if isinstance(report, EvalReport) else report
+    return json.dumps(_clean(d), indent=1) + "\n"
+
+
+def _fmt(x: float | None, nd: int = 2) -> str:
+    return "—" if x is None or (isinstance(x, float) and not math.isfinite(x)) else f"{x:.{nd}f}"
+
+
+def markdown_table(report: EvalReport) -> str:
+    """τ per drafter (rows) and method (columns), then calibration and per-slot accuracy."""
+    r = report
+    lines = [
+        f"**target** {r.target} · **dataset** {r.dataset or '—'} ({r.references.count} prompts, "
+        f"{r.references.tokens} reference tokens) · **prompt format** {r.template} · "
+        f"**max_new_tokens** {r.max_new_tokens} · **T** {r.temperature:g} · references {r.references.source}",
+        "",
+        "τ = tokens committed per round, mean over rounds per prompt then over prompts. "
+        "`ddtree-N`: DDTree with N nodes (root excluded, τ ≤ N+1). "
+        "`topk-K`: top-k streak (reference token within the drafter's top-K at every slot; τ ≤ B) — not a DDTree budget.",
+        "",
+        "| drafter | " + " | ".join(r.methods) + " |",
+        "|---|" + "---:|" * len(r.methods),
+    ]
+    for name, d in r.drafters.items():
+        lines.append(f"| {name} | " + " | ".join(_fmt(d.methods[m].tau) for m in r.methods) + " |")
+    lines += ["", "Surrogate τ (1 + Σ q over drafted prefixes) vs measured:", "",
+              "| drafter | " + " | ".join(r.methods) + " |", "|---|" + "---:|" * len(r.methods)]  # fmt: skip
+    for name, d in r.drafters.items():
+        cells = [f"{_fmt(d.methods[m].predicted_tau)} / {_fmt(d.methods[m].tau)}" for m in r.methods]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    b = max(d.block_size for d in r.drafters.values())
+    lines += ["", "Per-slot accuracy over chain rounds, unconditional (conditional on all earlier slots correct):", "",
+              "| drafter | " + " | ".join(f"s{k}" for k in range(1, b)) + " |", "|---|" + "---:|" * (b - 1)]  # fmt: skip
+    for name, d in r.drafters.items():
+        cells = [f"{_fmt(u)} ({_fmt(c)})" for u, c in zip(d.slot_accuracy, d.slot_accuracy_conditional, strict=True)]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    ref = r.references
+    if ref.agreement_rate is not None:
+        lines += ["", f"Reference vs teacher-forced argmax: {ref.agreed}/{ref.checked} agree "
+                  f"({100 * ref.agreement_rate:.2f}%), {ref.truncated_samples} server references cut at the first "
+                  f"disagreement, {len(ref.divergences)} divergences."]  # fmt: skip
+    for note in r.notes:
+        lines.append(f"\n_{note}_")
+    return "\n".join(lines) + "\n"
+
+
+def _plt():  # type: ignore[no-untyped-def]
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_tau(report: EvalReport, path: Path) -> Path:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for i, (name, d) in enumerate(report.drafters.items()):
+        color = f"C{i}"
+        xs = report.budgets
+        ax.plot(xs, [d.methods[f"ddtree-{b}"].tau for b in xs], "o-", color=color, label=f"{name}: DDTree-N")
+        ax.plot(xs, [d.methods[f"ddtree-{b}"].predicted_tau for b in xs], "x:", color=color, alpha=0.6,
+                label=f"{name}: surrogate 1+Σq")  # fmt: skip
+        ax.axhline(d.methods["chain"].tau, color=color, ls="--", lw=1, label=f"{name}: chain {d.methods['chain'].tau:.2f}")
+        for k in report.topk:
+            ax.axhline(d.methods[f"topk-{k}"].tau, color=color, ls="-.", lw=0.8, alpha=0.6)
+            ax.text(xs[0] if xs else 1, d.methods[f"topk-{k}"].tau, f" top-{k} streak", color=color, fontsize=7, va="bottom")
+    if report.budgets:
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(report.budgets, [str(b) for b in report.budgets])
+    ax.set_xlabel("DDTree budget (nodes, root excluded)")
+    ax.set_ylabel("τ (tokens per round)")
+    ax.set_title(f"{report.dataset}: τ at T={report.temperature:g}, max_new_tokens={report.max_new_tokens}", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_slots(report: EvalReport, path: Path) -> Path:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for i, (name, d) in enumerate(report.drafters.items()):
+        xs = list(range(1, d.block_size))
+        ax.plot(xs, d.slot_accuracy, "o-", color=f"C{i}", label=f"{name}: unconditional")
+        ax.plot(xs, d.slot_accuracy_conditional, "s--", color=f"C{i}", alpha=0.7, label=f"{name}: given earlier slots correct")
+    ax.set_xlabel("block slot k")
+    ax.set_ylabel("P(draft == reference)")
+    ax.set_ylim(0, 1.02)
+    ax.set_title("Per-slot accuracy (chain rounds)", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_histograms(report: EvalReport, path: Path) -> Path:
+    plt = _plt()
+    shown = ["chain"] + ([f"ddtree-{max(report.budgets)}"] if report.budgets else [])
+    fig, axes = plt.subplots(1, len(shown), figsize=(5 * len(shown), 3.6), squeeze=False)
+    n = len(report.drafters)
+    for j, m in enumerate(shown):
+        ax = axes[0][j]
+        for i, (name, d) in enumerate(report.drafters.items()):
+            h = d.methods[m].histogram
+            tot = max(sum(h), 1)
+            xs = [t + 1 + (i - (n - 1) / 2) * 0.8 / n for t in range(len(h))]
+            ax.bar(xs, [c / tot for c in h], width=0.8 / n, color=f"C{i}", label=name)
+        ax.set_xlabel("τ (tokens committed in a round)")
+        ax.set_ylabel("fraction of rounds")
+        ax.set_title(f"Acceptance histogram: {m}", fontsize=10)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_report(report: EvalReport, out_dir: str | Path, stem: str = "report") -> ReportFiles:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    j, md = out / f"{stem}.json", out / f"{stem}.md"
+    atomic_write_text(j, report_json(report))
+    atomic_write_text(md, markdown_table(report))
+    plots = [
+        plot_tau(report, out / f"{stem}_tau.png"),
+        plot_slots(report, out / f"{stem}_slots.png"),
+        plot_histograms(report, out / f"{stem}_histogram.png"),
+    ]
+    return ReportFiles(j, md, plots)
+
+
+def plot_watch_log(log_path: str | Path, path: str | Path) -> Path | None:
+    """τ over training steps from RUN/eval/log.jsonl (chain and every DDTree budget)."""
+    rows = [json.loads(line) for line in Path(log_path).read_text().splitlines() if line.strip()]
+    if not rows:
+        return None
+    rows.sort(key=lambda r: r["step"])
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    steps = [r["step"] for r in rows]
+    ax.plot(steps, [r["tau_chain"] for r in rows], "o-", label="chain")
+    budgets = sorted({int(b) for r in rows for b in r.get("tau_ddtree", {})})
+    for b in budgets:
+        ax.plot(steps, [r.get("tau_ddtree", {}).get(str(b)) for r in rows], ".-", label=f"DDTree-{b}", alpha=0.8)
+    ax.set_xlabel("training step")
+    ax.set_ylabel("τ (offline, T=0)")
+    ax.set_title("τ over training", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)

@@ -1,0 +1,88 @@
+"""Offline τ == online τ: the replay commits the same tokens with the same acceptance lengths as
+`flashdraft.decode.generate` (chain and DDTree budgets, T=0, float64, tiny Llama/Qwen3 targets)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashdraft.decode.generate import generate
+from flashdraft.eval.evaluate import evaluate
+from flashdraft.eval.offline import replay_sample, teacher_forced
+from flashdraft.eval.replay import Method, build_tree_from_topk, methods_for
+from flashdraft.tree import build_tree
+from tests.conftest import tiny_drafter, tiny_target
+
+BUDGETS = [1, 3, 8, 32]
+MAX_NEW = 40
+
+
+def _prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab - 1, (int(torch.randint(4, 12, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+@pytest.mark.parametrize("stop", [[], [5]])
+def test_offline_equals_online(family: str, stop: list[int]) -> None:
+    # a small vocabulary makes random drafts match often, so acceptance lengths vary (1..B)
+    target = tiny_target(family, vocab=16)
+    drafter = tiny_drafter(target, block_size=8)
+    methods = methods_for(BUDGETS, 2)
+    accepted_more = {m.name: 0 for m in methods if m.kind != "topk"}
+    for prompt in _prompts(3, 16, seed=1 if stop else 0):
+        ref = generate(target, None, prompt, max_new_tokens=MAX_NEW, method="ar", stop_token_ids=stop).tokens
+        tf = teacher_forced(target, prompt + ref, drafter.target_layer_ids)
+        res = replay_sample(target, drafter, tf, len(prompt), ref, methods)
+        for m in methods:
+            if m.kind == "topk":
+                continue
+            online = generate(target, drafter, prompt, max_new_tokens=MAX_NEW, method=m.kind,
+                              budget=m.size if m.kind == "ddtree" else None, stop_token_ids=stop)
+            assert online.tokens == ref, m.name
+            assert res.methods[m.name].acceptance_lengths == online.acceptance_lengths, m.name
+            assert sum(online.acceptance_lengths) == len(ref) - 1
+            accepted_more[m.name] += sum(t > 1 for t in online.acceptance_lengths)
+    # the comparison is only meaningful if drafts were accepted
+    assert accepted_more["chain"] > 0 and accepted_more["ddtree-32"] > 5, accepted_more
+
+
+def test_evaluate_matches_online_mean_tau(tmp_path) -> None:
+    target = tiny_target("qwen3", vocab=16)
+    drafter = tiny_drafter(target, block_size=8)
+    prompts = _prompts(3, 16, seed=2)
+    report = evaluate(target, {"d": drafter}, prompts, budgets=[4, 16], topk=[2, 4], max_new_tokens=MAX_NEW,
+                      stop_token_ids=[], cache_dir=tmp_path, progress=False)
+    d = report.drafters["d"]
+    for name, kind, budget in [("chain", "chain", None), ("ddtree-4", "ddtree", 4), ("ddtree-16", "ddtree", 16)]:
+        taus = []
+        for p in prompts:
+            r = generate(target, drafter, p, max_new_tokens=MAX_NEW, method=kind, budget=budget, stop_token_ids=[])
+            taus.append(r.mean_acceptance)
+        assert d.methods[name].tau == pytest.approx(sum(taus) / len(taus), abs=1e-12), name
+    assert sum(d.methods["ddtree-16"].histogram) == d.methods["ddtree-16"].rounds
+    assert max(i + 1 for i, c in enumerate(d.methods["ddtree-4"].histogram) if c) <= 5  # τ <= budget + 1
+    # top-k streak with k=4 accepts at least what a 4-node tree accepts... per round it dominates chain
+    assert d.methods["topk-4"].tau >= d.methods["chain"].tau
+    assert d.methods["topk-4"].tau >= d.methods["topk-2"].tau
+    assert report.references.agreement_rate == 1.0  # float64: incremental == teacher-forced argmax
+    assert len(d.slot_accuracy) == 7 and d.slot_accuracy_conditional[0] == pytest.approx(d.slot_accuracy[0])
+
+
+@pytest.mark.parametrize("budget", [1, 2, 7, 30, 64])
+def test_tree_from_topk_is_build_tree(budget: int) -> None:
+    g = torch.Generator().manual_seed(budget)
+    logits = torch.randn(7, 80, generator=g, dtype=torch.float64) * 2
+    ref = build_tree(logits, budget)
+    top_lp, top_ids = torch.log_softmax(logits.float(), -1).topk(64, dim=-1)
+    mine = build_tree_from_topk(top_lp, top_ids, budget)
+    assert mine.tokens.tolist() == ref.tokens.tolist()
+    assert mine.parents == ref.parents
+    assert mine.children == ref.children
+    assert torch.equal(mine.log_probs, ref.log_probs)
+
+
+def test_method_names() -> None:
+    assert Method.parse("ddtree-8").name == "ddtree-8" and Method.parse("topk-8").kind == "topk"
+    with pytest.raises(ValueError, match="ddtree-N"):
+        Method.parse("tree8")
