@@ -63,7 +63,7 @@ class ReferenceStats:
     computed: int
     cached: int
     seconds: float
-    checked: int  # positions compared with the teacher-forced argmax (T=0 only)
+    checked: int  # positions compared with the teacher-forced argmax (T=0 only; server: up to the first miss)
     agreed: int
     agreement_rate: float | None
     truncated_samples: int  # server references cut at their first disagreement
@@ -95,11 +95,20 @@ class EvalReport:
 def _as_prompts(prompts: list[EvalPrompt] | list[list[int]]) -> list[EvalPrompt]:
     out = []
     for i, p in enumerate(prompts):
-        out.append(p if isinstance(p, EvalPrompt) else EvalPrompt(f"p{i:05d}", [int(t) for t in p], "token ids"))
+        out.append(
+            p if isinstance(p, EvalPrompt) else EvalPrompt(f"p{i:05d}", [int(t) for t in p], "token ids")
+        )
     return out
 
 
-def summarize(name: str, path: str, drafter: DFlashDrafter, results: list[SampleResult], methods: list[Method], seconds: float) -> DrafterReport:
+def summarize(
+    name: str,
+    path: str,
+    drafter: DFlashDrafter,
+    results: list[SampleResult],
+    methods: list[Method],
+    seconds: float,
+) -> DrafterReport:
     b = drafter.block_size
     ran = [r for r in results if r.methods and any(mr.acceptance_lengths for mr in r.methods.values())]
     summaries: dict[str, MethodSummary] = {}
@@ -169,7 +178,9 @@ def evaluate(
     prompts = _as_prompts(prompts)
     if references is None:
         settings = ReferenceSettings(max_new_tokens, temperature, seed, stop_token_ids)
-        rs = compute_references(target, prompts, settings, cache_dir=cache_dir, server=server, progress=progress)
+        rs = compute_references(
+            target, prompts, settings, cache_dir=cache_dir, server=server, progress=progress
+        )
         refs, computed, cached, ref_s = rs.references, rs.computed, rs.cached, rs.seconds
     else:
         refs, computed, cached, ref_s = list(references), 0, len(references), 0.0
@@ -193,13 +204,18 @@ def evaluate(
             # the target's argmax after position p+j−1 must be reference token j
             choice = tf.choice[p - 1 : p - 1 + len(cont)].tolist()
             agree = [c == r for c, r in zip(choice, cont, strict=True)]
+            cut = agree.index(False) if ref.source != "local" and not all(agree) else None
+            if cut is not None:
+                agree = agree[: cut + 1]  # past a disagreement the server's context is not the target's
             stats.checked += len(agree)
             stats.agreed += sum(agree)
             for j, ok in enumerate(agree):
                 if not ok:
-                    stats.divergences.append({"id": ref.id, "index": j, "margin": float(tf.margin[p - 1 + j])})
-            if ref.source != "local" and not all(agree):
-                cont = cont[: agree.index(False)]  # replay stops at the first disagreement
+                    stats.divergences.append(
+                        {"id": ref.id, "index": j, "margin": float(tf.margin[p - 1 + j])}
+                    )
+            if cut is not None:
+                cont = cont[:cut]  # replay stops at the first disagreement
                 stats.truncated_samples += 1
         stats.tokens += len(cont)
         for name, d in drafters.items():

@@ -49,7 +49,9 @@ class TeacherForced:
 
 
 @torch.no_grad()
-def teacher_forced(target: TargetModel, ids: list[int] | torch.Tensor, layer_ids: list[int], chunk: int = 512) -> TeacherForced:
+def teacher_forced(
+    target: TargetModel, ids: list[int] | torch.Tensor, layer_ids: list[int], chunk: int = 512
+) -> TeacherForced:
     """Features of `layer_ids` and the target's argmax at every position, in one target forward.
 
     Logits are never held for the whole sequence: the final hidden state is captured and the
@@ -80,7 +82,12 @@ class DrafterRows:
     """
 
     def __init__(
-        self, target: TargetModel, drafter: DFlashDrafter, features: torch.Tensor, tokens: torch.Tensor, width: int
+        self,
+        target: TargetModel,
+        drafter: DFlashDrafter,
+        features: torch.Tensor,
+        tokens: torch.Tensor,
+        width: int,
     ) -> None:
         self.target, self.drafter = target, drafter
         self.tokens = tokens  # LongTensor [n] prompt + reference
@@ -122,7 +129,8 @@ class DrafterRows:
         self.forwards += 1
         self.blocks += m
         return {
-            st: DraftRows(argmax[i], top_lp[i].cpu(), top_ids[i].cpu(), lp.shape[-1]) for i, st in enumerate(starts)
+            st: DraftRows(argmax[i], top_lp[i].cpu(), top_ids[i].cpu(), lp.shape[-1])
+            for i, st in enumerate(starts)
         }
 
 
@@ -165,9 +173,13 @@ def replay_sample(
     n_ref = len(reference)
     tokens = tf.tokens[: prompt_len + n_ref]  # [prompt_len + n_ref]
     if tokens[prompt_len:].tolist() != list(reference):
-        raise ValueError(f"sample {sample_id}: the reference is not the continuation the teacher-forced pass ran on")
+        raise ValueError(
+            f"sample {sample_id}: the reference is not the continuation the teacher-forced pass ran on"
+        )
     end = prompt_len + n_ref - 1  # the last committed token's position; the prefill committed X[prompt_len]
-    feats = tf.features_for(drafter.target_layer_ids, target.hidden_size)[:, : max(end, 0)]  # context < end suffices
+    feats = tf.features_for(drafter.target_layer_ids, target.hidden_size)[
+        :, : max(end, 0)
+    ]  # context < end suffices
     result = SampleResult(
         sample_id, prompt_len, n_ref, {m.name: MethodRounds() for m in methods},
         [0] * (b - 1), [0] * (b - 1), [0] * (b - 1), [0] * (b - 1),
@@ -210,4 +222,3 @@ def replay_sample(
             del memo[st]
     result.drafter_forwards, result.drafter_blocks = rows_of.forwards, rows_of.blocks
     return result
-

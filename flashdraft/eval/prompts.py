@@ -60,7 +60,9 @@ def chat_ids(target: Any, messages: list[dict[str, str]]) -> list[int]:
     return [int(i) for i in ids]
 
 
-def _from_conversations(target: Any, spec: str, limit: int | None, label: str, keep: Callable[[Any], bool]) -> list[EvalPrompt]:
+def _from_conversations(
+    target: Any, spec: str, limit: int | None, label: str, keep: Callable[[Any], bool]
+) -> list[EvalPrompt]:
     from flashdraft.data.sources import iter_conversations
 
     out: list[EvalPrompt] = []
@@ -109,18 +111,50 @@ def _from_dataset_dir(path: Path, limit: int | None) -> list[EvalPrompt]:
         if first == 0:
             continue
         msgs = s.meta.get("prompt_messages") or s.meta.get("messages") or []
-        out.append(EvalPrompt(s.id, [int(i) for i in s.input_ids[:first]], f"token ids ({path} eval split)", msgs))
+        out.append(
+            EvalPrompt(s.id, [int(i) for i in s.input_ids[:first]], f"token ids ({path} eval split)", msgs)
+        )
         if limit is not None and len(out) >= limit:
             break
     return out
 
 
+def _from_ids_jsonl(path: Path, limit: int | None) -> list[EvalPrompt]:
+    """JSONL of {"id"?, "input_ids": [...]}: prompts already tokenized (chat template included)."""
+    import json
+
+    out: list[EvalPrompt] = []
+    for n, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+            ids = [int(i) for i in rec["input_ids"]]
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+            raise ValueError(f'{path}:{n}: expected {{"input_ids": [ints]}} ({e})') from None
+        out.append(EvalPrompt(str(rec.get("id", f"{path.stem}-{n}")), ids, f"token ids ({path.name})"))
+        if limit is not None and len(out) >= limit:
+            break
+    return out
+
+
+def _is_ids_jsonl(path: Path) -> bool:
+    if path.suffix != ".jsonl" or not path.is_file():
+        return False
+    with open(path) as f:
+        first = f.readline()
+    return '"input_ids"' in first
+
+
 def load_eval_prompts(spec: str, target: Any, limit: int | None = None) -> list[EvalPrompt]:
-    """A registered set name, a regenerated dataset folder, or a file `flashdraft.data.sources` reads."""
+    """A registered set name, a regenerated dataset folder, an input_ids JSONL, or a file
+    `flashdraft.data.sources` reads (text prompts, chat template applied)."""
     if spec in _SETS:
         prompts = _SETS[spec](target, limit)
     elif Path(spec).is_dir() and (Path(spec) / "manifest.json").is_file():
         prompts = _from_dataset_dir(Path(spec), limit)
+    elif _is_ids_jsonl(Path(spec)):
+        prompts = _from_ids_jsonl(Path(spec), limit)
     else:
         if not Path(spec.split(":", 1)[-1]).exists():
             raise FileNotFoundError(

@@ -126,7 +126,9 @@ def prompt_seed(base: int, prompt_id: str) -> int:
     return int.from_bytes(hashlib.blake2b(f"{base}:{prompt_id}".encode(), digest_size=6).digest(), "big")
 
 
-def reference_key(fingerprint: str, prompt: EvalPrompt, settings: ReferenceSettings, stop: list[int], source: str) -> str:
+def reference_key(
+    fingerprint: str, prompt: EvalPrompt, settings: ReferenceSettings, stop: list[int], source: str
+) -> str:
     payload = {
         "format": FORMAT, "target": fingerprint, "template": prompt.template, "prompt_ids": prompt.input_ids,
         "max_new_tokens": settings.max_new_tokens, "temperature": settings.temperature,
@@ -161,7 +163,9 @@ def _write(path: Path, ref: Reference) -> None:
 # ----------------------------------------------------------------------------- producers
 
 
-def _local(target: Any, prompt: EvalPrompt, settings: ReferenceSettings, stop: list[int]) -> tuple[list[int], str]:
+def _local(
+    target: Any, prompt: EvalPrompt, settings: ReferenceSettings, stop: list[int]
+) -> tuple[list[int], str]:
     from flashdraft.decode.generate import generate
 
     seed = prompt_seed(settings.seed, prompt.id) if settings.temperature > 0 else None
@@ -185,7 +189,6 @@ def _server_request(
         body["model"] = server.model
     if settings.temperature > 0:
         body["seed"] = prompt_seed(settings.seed, prompt.id) % (2**31)
-    last: Exception | None = None
     for attempt in range(server.retries + 1):
         try:
             r = client.post(server.url.rstrip("/") + "/completions", json=body)
@@ -198,15 +201,18 @@ def _server_request(
         except ValueError:
             raise
         except Exception as e:  # transport errors, 5xx, 429: back off and retry
-            last = e
             if attempt == server.retries:
-                raise RuntimeError(f"{server.url}: prompt {prompt.id} failed after {attempt + 1} attempts: {e}") from e
+                raise RuntimeError(
+                    f"{server.url}: prompt {prompt.id} failed after {attempt + 1} attempts: {e}"
+                ) from e
             time.sleep(min(2.0**attempt * 0.5, 10.0))
     reason = str(choice.get("finish_reason") or "length")
     ids = choice.get("token_ids") or choice.get("output_token_ids")
     if ids is None:
         if tokenizer is None:
-            raise ValueError(f"{server.url} returned text only and the local target has no tokenizer to encode it")
+            raise ValueError(
+                f"{server.url} returned text only and the local target has no tokenizer to encode it"
+            )
         ids = tokenizer.encode(choice.get("text", ""), add_special_tokens=False)
         if reason == "stop" and stop and (not ids or ids[-1] not in stop):
             matched = choice.get("matched_stop") or choice.get("stop_reason")
@@ -241,13 +247,17 @@ def compute_references(
     def make(i: int, tokens: list[int], reason: str) -> Reference:
         p = prompts[i]
         seed = prompt_seed(settings.seed, p.id) if settings.temperature > 0 else None
-        ref = Reference(p.id, list(p.input_ids), tokens, p.template, source, settings.temperature, seed, reason, keys[i])
+        ref = Reference(
+            p.id, list(p.input_ids), tokens, p.template, source, settings.temperature, seed, reason, keys[i]
+        )
         _write(_path(cache, keys[i]), ref)
         if on_reference is not None:
             on_reference(ref)
         return ref
 
-    bar = tqdm(total=len(todo), desc=f"references ({source})", disable=not progress or not todo, unit="prompt")
+    bar = tqdm(
+        total=len(todo), desc=f"references ({source})", disable=not progress or not todo, unit="prompt"
+    )
     if server is None:
         for i in todo:
             tokens, reason = _local(target, prompts[i], settings, stop)
@@ -260,7 +270,9 @@ def compute_references(
         with httpx.Client(timeout=server.timeout_s, transport=transport, headers=headers) as client:
             with ThreadPoolExecutor(max_workers=max(1, server.concurrency)) as pool:
                 futures = {
-                    i: pool.submit(_server_request, client, server, prompts[i], settings, stop, target.tokenizer)
+                    i: pool.submit(
+                        _server_request, client, server, prompts[i], settings, stop, target.tokenizer
+                    )
                     for i in todo
                 }
                 for i, fut in futures.items():

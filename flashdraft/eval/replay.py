@@ -73,7 +73,9 @@ class Outcome:
     slot_correct: list[bool] | None = None  # chain only: draft == reference at each comparable slot
 
 
-def build_tree_from_topk(top_lp: torch.Tensor, top_ids: torch.Tensor, budget: int, vocab: int | None = None) -> Tree:
+def build_tree_from_topk(
+    top_lp: torch.Tensor, top_ids: torch.Tensor, budget: int, vocab: int | None = None
+) -> Tree:
     """The tree `flashdraft.tree.build_tree(logits, budget)` builds, from stored top-K (K >= budget).
 
     Same scores (float32 log-softmax values summed as Python floats) and the same tie order
@@ -93,7 +95,9 @@ def build_tree_from_topk(top_lp: torch.Tensor, top_ids: torch.Tensor, budget: in
     ranks: list[int] = []
     children: list[dict[int, int]] = [{}]
     # entry: (-score, depth, rank, parent, parent score)
-    heap: list[tuple[float, int, int, int, float]] = [(-lp[0][0], 1, 0, 0, 0.0)] if budget and num_slots else []
+    heap: list[tuple[float, int, int, int, float]] = (
+        [(-lp[0][0], 1, 0, 0, 0.0)] if budget and num_slots else []
+    )
     while heap and len(tokens) < budget:
         neg, depth, rank, parent, base = heapq.heappop(heap)
         node = len(parents)
@@ -144,7 +148,9 @@ def accept(method: Method, rows: DraftRows, ref: list[int]) -> Outcome:
     if method.kind == "topk":
         k = method.size
         if k > rows.top_ids.shape[1] and rows.top_ids.shape[1] != rows.vocab:
-            raise ValueError(f"{method.name} needs the top-{k} per slot, only {rows.top_ids.shape[1]} were stored")
+            raise ValueError(
+                f"{method.name} needs the top-{k} per slot, only {rows.top_ids.shape[1]} were stored"
+            )
         ids = rows.top_ids[:, :k].tolist()
         a = 0
         while a < len(ref) and ref[a] in ids[a]:

@@ -82,7 +82,10 @@ def markdown_table(report: EvalReport) -> str:
     lines += ["", "Per-slot accuracy over chain rounds, unconditional (conditional on all earlier slots correct):", "",
               "| drafter | " + " | ".join(f"s{k}" for k in range(1, b)) + " |", "|---|" + "---:|" * (b - 1)]  # fmt: skip
     for name, d in r.drafters.items():
-        cells = [f"{_fmt(u)} ({_fmt(c)})" for u, c in zip(d.slot_accuracy, d.slot_accuracy_conditional, strict=True)]
+        cells = [
+            f"{_fmt(u)} ({_fmt(c)})"
+            for u, c in zip(d.slot_accuracy, d.slot_accuracy_conditional, strict=True)
+        ]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     ref = r.references
     if ref.agreement_rate is not None:
@@ -112,16 +115,32 @@ def plot_tau(report: EvalReport, path: Path) -> Path:
         ax.plot(xs, [d.methods[f"ddtree-{b}"].tau for b in xs], "o-", color=color, label=f"{name}: DDTree-N")
         ax.plot(xs, [d.methods[f"ddtree-{b}"].predicted_tau for b in xs], "x:", color=color, alpha=0.6,
                 label=f"{name}: surrogate 1+Σq")  # fmt: skip
-        ax.axhline(d.methods["chain"].tau, color=color, ls="--", lw=1, label=f"{name}: chain {d.methods['chain'].tau:.2f}")
+        ax.axhline(
+            d.methods["chain"].tau,
+            color=color,
+            ls="--",
+            lw=1,
+            label=f"{name}: chain {d.methods['chain'].tau:.2f}",
+        )
         for k in report.topk:
             ax.axhline(d.methods[f"topk-{k}"].tau, color=color, ls="-.", lw=0.8, alpha=0.6)
-            ax.text(xs[0] if xs else 1, d.methods[f"topk-{k}"].tau, f" top-{k} streak", color=color, fontsize=7, va="bottom")
+            ax.text(
+                xs[0] if xs else 1,
+                d.methods[f"topk-{k}"].tau,
+                f" top-{k} streak",
+                color=color,
+                fontsize=7,
+                va="bottom",
+            )
     if report.budgets:
         ax.set_xscale("log", base=2)
         ax.set_xticks(report.budgets, [str(b) for b in report.budgets])
     ax.set_xlabel("DDTree budget (nodes, root excluded)")
     ax.set_ylabel("τ (tokens per round)")
-    ax.set_title(f"{report.dataset}: τ at T={report.temperature:g}, max_new_tokens={report.max_new_tokens}", fontsize=10)
+    ax.set_title(
+        f"{report.dataset}: τ at T={report.temperature:g}, max_new_tokens={report.max_new_tokens}",
+        fontsize=10,
+    )
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="best")
     fig.tight_layout()
@@ -136,7 +155,14 @@ def plot_slots(report: EvalReport, path: Path) -> Path:
     for i, (name, d) in enumerate(report.drafters.items()):
         xs = list(range(1, d.block_size))
         ax.plot(xs, d.slot_accuracy, "o-", color=f"C{i}", label=f"{name}: unconditional")
-        ax.plot(xs, d.slot_accuracy_conditional, "s--", color=f"C{i}", alpha=0.7, label=f"{name}: given earlier slots correct")
+        ax.plot(
+            xs,
+            d.slot_accuracy_conditional,
+            "s--",
+            color=f"C{i}",
+            alpha=0.7,
+            label=f"{name}: given earlier slots correct",
+        )
     ax.set_xlabel("block slot k")
     ax.set_ylabel("P(draft == reference)")
     ax.set_ylim(0, 1.02)
@@ -197,7 +223,9 @@ def plot_watch_log(log_path: str | Path, path: str | Path) -> Path | None:
     ax.plot(steps, [r["tau_chain"] for r in rows], "o-", label="chain")
     budgets = sorted({int(b) for r in rows for b in r.get("tau_ddtree", {})})
     for b in budgets:
-        ax.plot(steps, [r.get("tau_ddtree", {}).get(str(b)) for r in rows], ".-", label=f"DDTree-{b}", alpha=0.8)
+        ax.plot(
+            steps, [r.get("tau_ddtree", {}).get(str(b)) for r in rows], ".-", label=f"DDTree-{b}", alpha=0.8
+        )
     ax.set_xlabel("training step")
     ax.set_ylabel("τ (offline, T=0)")
     ax.set_title("τ over training", fontsize=10)

@@ -19,8 +19,10 @@ MAX_NEW = 40
 
 def _prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, vocab - 1, (int(torch.randint(4, 12, (1,), generator=g)),), generator=g).tolist()
-            for _ in range(n)]
+    return [
+        torch.randint(3, vocab - 1, (int(torch.randint(4, 12, (1,), generator=g)),), generator=g).tolist()
+        for _ in range(n)
+    ]
 
 
 @pytest.mark.parametrize("stop", [[], [5]])
@@ -37,8 +39,15 @@ def test_offline_equals_online(family: str, stop: list[int]) -> None:
         for m in methods:
             if m.kind == "topk":
                 continue
-            online = generate(target, drafter, prompt, max_new_tokens=MAX_NEW, method=m.kind,
-                              budget=m.size if m.kind == "ddtree" else None, stop_token_ids=stop)
+            online = generate(
+                target,
+                drafter,
+                prompt,
+                max_new_tokens=MAX_NEW,
+                method=m.kind,
+                budget=m.size if m.kind == "ddtree" else None,
+                stop_token_ids=stop,
+            )
             assert online.tokens == ref, m.name
             assert res.methods[m.name].acceptance_lengths == online.acceptance_lengths, m.name
             assert sum(online.acceptance_lengths) == len(ref) - 1
@@ -51,13 +60,28 @@ def test_evaluate_matches_online_mean_tau(tmp_path) -> None:
     target = tiny_target("qwen3", vocab=16)
     drafter = tiny_drafter(target, block_size=8)
     prompts = _prompts(3, 16, seed=2)
-    report = evaluate(target, {"d": drafter}, prompts, budgets=[4, 16], topk=[2, 4], max_new_tokens=MAX_NEW,
-                      stop_token_ids=[], cache_dir=tmp_path, progress=False)
+    report = evaluate(
+        target,
+        {"d": drafter},
+        prompts,
+        budgets=[4, 16],
+        topk=[2, 4],
+        max_new_tokens=MAX_NEW,
+        stop_token_ids=[],
+        cache_dir=tmp_path,
+        progress=False,
+    )
     d = report.drafters["d"]
-    for name, kind, budget in [("chain", "chain", None), ("ddtree-4", "ddtree", 4), ("ddtree-16", "ddtree", 16)]:
+    for name, kind, budget in [
+        ("chain", "chain", None),
+        ("ddtree-4", "ddtree", 4),
+        ("ddtree-16", "ddtree", 16),
+    ]:
         taus = []
         for p in prompts:
-            r = generate(target, drafter, p, max_new_tokens=MAX_NEW, method=kind, budget=budget, stop_token_ids=[])
+            r = generate(
+                target, drafter, p, max_new_tokens=MAX_NEW, method=kind, budget=budget, stop_token_ids=[]
+            )
             taus.append(r.mean_acceptance)
         assert d.methods[name].tau == pytest.approx(sum(taus) / len(taus), abs=1e-12), name
     assert sum(d.methods["ddtree-16"].histogram) == d.methods["ddtree-16"].rounds

@@ -1,0 +1,198 @@
+"""Speed benchmark: real generation, AR vs chain vs DDTree budgets, on one engine.
+
+    flashdraft bench --drafter runs/x --dataset humaneval --limit 8 --methods ar,chain,ddtree:16,ddtree:64
+    report = bench(target, drafter, prompts, methods=["ar", "chain", "ddtree:64"], max_new_tokens=128)
+
+Time per output token (TPOT), tokens/s, speedup over AR *on the same engine*, and τ, as a
+table and JSON (DESIGN.md §4: speedup and τ are always reported together). The engine is
+`flashdraft.decode.generate` (reference, transformers) or, when importable and asked for (the
+default on CUDA), the fast CUDA-graph engine `flashdraft.decode.engine`; a target the fast
+engine cannot run falls back to the reference one, and the report says which ran. At T=0 every
+speculative output is also compared with AR's, token for token (`identical_to_ar`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from flashdraft.drafter import DFlashDrafter
+from flashdraft.eval.prompts import EvalPrompt
+from flashdraft.target import TargetModel, check_pair
+
+
+@dataclass
+class BenchRow:
+    method: str  # "ar" | "chain" | "ddtree:N"
+    engine: str
+    prompts: int
+    tokens: int
+    seconds: float
+    tpot_ms: float  # time per output token
+    tokens_per_s: float
+    speedup: float | None  # AR TPOT / this TPOT on the same engine (None without an AR row)
+    tau: float | None  # mean over prompts of the mean tokens per round (None for AR)
+    identical_to_ar: int | None = None  # prompts whose tokens equal AR's (T=0 only)
+
+
+@dataclass
+class BenchReport:
+    target: str
+    drafter: str
+    dataset: str
+    template: str
+    device: str
+    dtype: str
+    max_new_tokens: int
+    temperature: float
+    engine: str
+    rows: list[BenchRow]
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def parse_methods(text: str) -> list[tuple[str, int | None]]:
+    out: list[tuple[str, int | None]] = []
+    for part in text.split(","):
+        p = part.strip().lower()
+        if p in ("ar", "chain"):
+            out.append((p, None))
+        elif p.startswith("ddtree:") and p[7:].isdigit():
+            out.append(("ddtree", int(p[7:])))
+        else:
+            raise ValueError(
+                f"--methods: unknown method {part!r}: use ar, chain or ddtree:N (e.g. ddtree:64)"
+            )
+    return out
+
+
+def pick_engine(target: TargetModel, engine: str) -> tuple[str, Callable[..., Any]]:
+    """("reference" | "fast", its generate function); "auto" = fast on CUDA when it can run this target."""
+    from flashdraft.decode.generate import generate as reference
+
+    if engine == "reference" or (engine == "auto" and target.device.type != "cuda"):
+        return "reference", reference
+    try:
+        from flashdraft.decode import engine as fast
+        from flashdraft.decode.native import native_support_error
+    except ImportError as e:
+        if engine == "fast":
+            raise ValueError(f"--engine fast: the fast engine is not available ({e})") from None
+        return "reference", reference
+    why = native_support_error(target)
+    if why is not None:
+        if engine == "fast":
+            raise ValueError(f"--engine fast: {why}")
+        return "reference", reference
+    return "fast", fast.generate
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.no_grad()
+def bench(
+    target: TargetModel,
+    drafter: DFlashDrafter | None,
+    prompts: list[EvalPrompt],
+    *,
+    methods: list[tuple[str, int | None]] | str = "ar,chain,ddtree:16,ddtree:64",
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    stop_token_ids: list[int] | None = None,
+    engine: str = "auto",
+    warmup: int = 1,
+    seed: int = 0,
+    dataset: str = "",
+    drafter_name: str = "",
+    progress: bool = True,
+) -> BenchReport:
+    from tqdm import tqdm
+
+    from flashdraft.eval.references import target_stop_ids
+
+    todo = parse_methods(methods) if isinstance(methods, str) else list(methods)
+    if drafter is not None:
+        check_pair(target, drafter.config)
+    elif any(m != "ar" for m, _ in todo):
+        raise ValueError("chain / ddtree methods need a drafter (--drafter)")
+    stop = stop_token_ids if stop_token_ids is not None else target_stop_ids(target)
+    engine_name, gen = pick_engine(target, engine)
+    rows: list[BenchRow] = []
+    ar_tokens: list[list[int]] | None = None
+    bar = tqdm(
+        total=len(todo) * len(prompts), desc=f"bench ({engine_name})", disable=not progress, unit="run"
+    )
+    for method, budget in todo:
+        label = method if budget is None else f"{method}:{budget}"
+        kw: dict[str, Any] = dict(
+            max_new_tokens=max_new_tokens, method=method, budget=budget, temperature=temperature,
+            stop_token_ids=stop,
+        )  # fmt: skip
+        d = None if method == "ar" else drafter
+        for p in prompts[:warmup]:  # CUDA-graph capture, allocator warm-up: not timed
+            gen(target, d, p.input_ids, **kw, seed=seed)
+        tokens, seconds, taus, outs = 0, 0.0, [], []
+        for p in prompts:
+            _sync(target.device)
+            t0 = time.perf_counter()
+            res = gen(target, d, p.input_ids, **kw, seed=seed)
+            _sync(target.device)
+            seconds += time.perf_counter() - t0
+            tokens += len(res.tokens)
+            outs.append(res.tokens)
+            if method != "ar" and res.acceptance_lengths:
+                taus.append(res.mean_acceptance)
+            bar.update(1)
+        tpot = seconds / tokens * 1e3 if tokens else float("nan")
+        same = None
+        if method == "ar":
+            ar_tokens = outs
+        elif ar_tokens is not None and temperature == 0:
+            same = sum(a == b for a, b in zip(ar_tokens, outs, strict=True))
+        rows.append(BenchRow(label, engine_name, len(prompts), tokens, seconds, tpot,
+                             tokens / seconds if seconds else 0.0, None,
+                             sum(taus) / len(taus) if taus else None, same))  # fmt: skip
+    bar.close()
+    ar = next((r for r in rows if r.method == "ar"), None)
+    for r in rows:
+        if ar is not None and r.tpot_ms > 0:
+            r.speedup = ar.tpot_ms / r.tpot_ms
+    notes = []
+    if engine == "fast" or (engine == "auto" and target.device.type == "cuda"):
+        if engine_name != "fast":
+            notes.append("the fast engine could not run this target: the reference engine was used")
+    return BenchReport(
+        target=getattr(target, "name", "target"), drafter=drafter_name, dataset=dataset,
+        template=prompts[0].template if prompts else "", device=str(target.device),
+        dtype=str(target.dtype).removeprefix("torch."), max_new_tokens=max_new_tokens, temperature=temperature,
+        engine=engine_name, rows=rows, notes=notes,
+    )  # fmt: skip
+
+
+def bench_table(report: BenchReport) -> str:
+    lines = [
+        f"**target** {report.target} · **drafter** {report.drafter or '—'} · **dataset** {report.dataset} "
+        f"({report.rows[0].prompts if report.rows else 0} prompts, {report.template}) · **engine** {report.engine} "
+        f"on {report.device} ({report.dtype}) · **max_new_tokens** {report.max_new_tokens} · **T** {report.temperature:g}",
+        "",
+        "| method | tokens | TPOT ms | tokens/s | speedup vs AR | τ | identical to AR |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in report.rows:
+        sp = "—" if r.speedup is None else f"{r.speedup:.2f}×"
+        tau = "—" if r.tau is None else f"{r.tau:.2f}"
+        same = "—" if r.identical_to_ar is None else f"{r.identical_to_ar}/{r.prompts}"
+        lines.append(
+            f"| {r.method} | {r.tokens} | {r.tpot_ms:.2f} | {r.tokens_per_s:.1f} | {sp} | {tau} | {same} |"
+        )
+    lines += [f"\n_{n}_" for n in report.notes]
+    return "\n".join(lines) + "\n"

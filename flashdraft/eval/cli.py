@@ -1,0 +1,200 @@
+"""`flashdraft eval` (offline τ, side by side, `--watch` a live run) and `flashdraft bench` (speed).
+
+    flashdraft eval --drafter runs/x --drafter models/z-lab-b16 --dataset humaneval --limit 32
+    flashdraft eval --drafter runs/x/checkpoints/step-00002000 --budgets 8,32,128 --topk 8 --out out/eval
+    flashdraft eval --watch runs/x --dataset sharegpt-heldout --limit 32 --poll 120
+    flashdraft bench --drafter runs/x --dataset humaneval --limit 8 --methods ar,chain,ddtree:16,ddtree:64
+
+Both run on CPU by default, so an evaluator can sit beside a training job that owns the GPUs.
+Imports of torch and friends stay inside the commands (`flashdraft --help` stays fast).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+
+def _ints(text: str, flag: str) -> list[int]:
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise typer.BadParameter(f"{flag} must be comma-separated integers, got {text!r}") from None
+    if any(v <= 0 for v in vals):
+        raise typer.BadParameter(f"{flag} values must be > 0, got {text!r}")
+    return vals
+
+
+def _fail(msg: str) -> None:
+    typer.echo(f"error: {msg}", err=True)
+    raise typer.Exit(2)
+
+
+def _drafter_name(path: Path, folder: Path, step: int | None, taken: set[str]) -> str:
+    if (path / "checkpoints").is_dir():
+        base = f"{path.name}@step-{step}"
+    elif folder.name == "drafter":
+        base = folder.parent.name if step is None else f"{folder.parent.parent.parent.name}@step-{step}"
+    else:
+        base = folder.name
+    name, i = base, 2
+    while name in taken:
+        name, i = f"{base}#{i}", i + 1
+    return name
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("eval")
+    def eval_cmd(
+        drafter: list[Path] = typer.Option(
+            [],
+            "--drafter",
+            help="drafter folder, checkpoint folder, or run folder (newest checkpoint); repeat to compare",
+        ),
+        target: str = typer.Option(
+            "default", help="HF folder, hub-style id, .gguf path, or 'default' (SmolLM2)"
+        ),
+        dataset: str = typer.Option(
+            "humaneval", help="humaneval | sharegpt-heldout | a regenerated dataset folder | a prompts file"
+        ),
+        limit: int | None = typer.Option(None, help="evaluate the first N prompts"),
+        max_new_tokens: int = typer.Option(256, help="reference length (published DFlash numbers use 2048)"),
+        budgets: str = typer.Option("8,16,32,64,128,256,512", help="DDTree budgets (nodes, root excluded)"),
+        topk: str = typer.Option("8", help="top-k streak widths (comma-separated; '' for none)"),
+        temperature: float = typer.Option(0.0, help="0 = greedy references (exact τ); > 0 = seeded samples"),
+        seed: int = typer.Option(0, help="base seed of sampled references"),
+        device: str = typer.Option("cpu", help="cpu | cuda"),
+        dtype: str = typer.Option("float32", help="target and drafter dtype"),
+        out: Path | None = typer.Option(None, help="report folder (default eval-reports/<dataset>)"),
+        watch: Path | None = typer.Option(
+            None, help="a run folder: evaluate each new checkpoint as it appears"
+        ),
+        poll: float = typer.Option(60.0, help="--watch polling interval, seconds"),
+        once: bool = typer.Option(False, help="--watch: evaluate the checkpoints present now, then exit"),
+        server: str | None = typer.Option(
+            None, help="OpenAI-compatible base URL for references, e.g. http://h:30000/v1"
+        ),
+        server_model: str | None = typer.Option(None, help="model name on --server"),
+        concurrency: int = typer.Option(8, help="--server requests in flight"),
+        cache_dir: Path | None = typer.Option(
+            None, help="reference cache (default ~/.cache/flashdraft/references)"
+        ),
+        progress: bool = typer.Option(True, help="progress bars"),
+    ) -> None:
+        """Offline τ (chain, DDTree budgets, top-k streak) of one or more drafters, side by side."""
+        import torch
+
+        from flashdraft.drafter import DFlashDrafter
+        from flashdraft.eval.evaluate import evaluate
+        from flashdraft.eval.prompts import load_eval_prompts
+        from flashdraft.eval.references import ServerConfig
+        from flashdraft.eval.report import markdown_table, write_report
+        from flashdraft.eval.watch import resolve_drafter, watch as watch_run
+        from flashdraft.target import _parse_dtype, check_pair, load_target
+
+        if not drafter and watch is None:
+            _fail("give --drafter PATH (repeatable) or --watch RUN_DIR")
+        b_list, k_list = _ints(budgets, "--budgets"), _ints(topk, "--topk") if topk.strip() else []
+        torch_dtype = _parse_dtype(dtype)
+        resolved = []
+        taken: set[str] = set()
+        for p in drafter:
+            try:
+                folder, step = resolve_drafter(p)
+            except FileNotFoundError as e:
+                _fail(str(e))
+            name = _drafter_name(p, folder, step, taken)
+            taken.add(name)
+            resolved.append((name, folder))
+        t = load_target(target, dtype=torch_dtype, device=device)
+        models: dict[str, DFlashDrafter] = {}
+        for name, folder in resolved:
+            try:
+                d = DFlashDrafter.from_pretrained(folder, dtype=torch_dtype, device=device)
+                check_pair(t, d.config)
+            except (ValueError, FileNotFoundError) as e:
+                _fail(f"drafter {folder}: {e}")
+            models[name] = d
+        prompts = load_eval_prompts(dataset, t, limit)
+        srv = ServerConfig(server, server_model, concurrency) if server else None
+        kwargs = dict(
+            budgets=b_list, topk=k_list, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
+            cache_dir=cache_dir, server=srv, dataset=dataset, progress=progress,
+        )  # fmt: skip
+
+        if watch is not None:
+
+            def one(folder: Path, name: str):  # type: ignore[no-untyped-def]
+                d = DFlashDrafter.from_pretrained(folder, dtype=torch_dtype, device=device)
+                check_pair(t, d.config)
+                return evaluate(t, {name: d}, prompts, drafter_paths={name: str(folder)}, **kwargs)
+
+            typer.echo(f"watching {watch} (poll {poll:g}s); results in {watch / 'eval' / 'log.jsonl'}")
+            res = watch_run(watch, one, poll_s=poll, once=once)
+            typer.echo(
+                f"evaluated steps {res.evaluated}" + (f", skipped {res.skipped}" if res.skipped else "")
+            )
+            return
+        report = evaluate(t, models, prompts, drafter_paths={n: str(f) for n, f in resolved}, **kwargs)
+        files = write_report(report, out or Path("eval-reports") / Path(dataset).name)
+        typer.echo(markdown_table(report))
+        typer.echo(f"report: {files.json} {files.markdown} " + " ".join(str(p) for p in files.plots))
+
+    @app.command("bench")
+    def bench_cmd(
+        drafter: Path | None = typer.Option(
+            None, help="drafter, checkpoint or run folder (omit for AR only)"
+        ),
+        target: str = typer.Option("default", help="HF folder, hub-style id, .gguf path, or 'default'"),
+        dataset: str = typer.Option(
+            "humaneval", help="humaneval | sharegpt-heldout | dataset folder | prompts file"
+        ),
+        limit: int = typer.Option(8, help="prompts to generate for"),
+        methods: str = typer.Option(
+            "ar,chain,ddtree:16,ddtree:64", help="ar, chain, ddtree:N (comma-separated)"
+        ),
+        max_new_tokens: int = typer.Option(128),
+        temperature: float = typer.Option(0.0),
+        device: str = typer.Option("cpu", help="cpu | cuda"),
+        dtype: str = typer.Option("float32"),
+        engine: str = typer.Option("auto", help="auto (fast on CUDA) | reference | fast"),
+        warmup: int = typer.Option(1, help="untimed runs per method before timing"),
+        out: Path | None = typer.Option(None, help="write bench.json / bench.md here"),
+        progress: bool = typer.Option(True),
+    ) -> None:
+        """Real generation speed: time per output token, tokens/s, speedup over AR, τ."""
+        from flashdraft.drafter import DFlashDrafter
+        from flashdraft.eval.bench import bench, bench_table
+        from flashdraft.eval.prompts import load_eval_prompts
+        from flashdraft.eval.report import atomic_write_text
+        from flashdraft.eval.watch import resolve_drafter
+        from flashdraft.target import _parse_dtype, check_pair, load_target
+
+        torch_dtype = _parse_dtype(dtype)
+        t = load_target(target, dtype=torch_dtype, device=device)
+        d, dname = None, ""
+        if drafter is not None:
+            try:
+                folder, _ = resolve_drafter(drafter)
+                d = DFlashDrafter.from_pretrained(folder, dtype=torch_dtype, device=device)
+                check_pair(t, d.config)
+            except (ValueError, FileNotFoundError) as e:
+                _fail(f"drafter {drafter}: {e}")
+            dname = str(folder)
+        prompts = load_eval_prompts(dataset, t, limit)
+        try:
+            report = bench(
+                t, d, prompts, methods=methods, max_new_tokens=max_new_tokens, temperature=temperature,
+                engine=engine, warmup=warmup, dataset=dataset, drafter_name=dname, progress=progress,
+            )  # fmt: skip
+        except ValueError as e:
+            _fail(str(e))
+        table = bench_table(report)
+        typer.echo(table)
+        if out is not None:
+            import json
+
+            atomic_write_text(out / "bench.json", json.dumps(report.to_dict(), indent=1) + "\n")
+            atomic_write_text(out / "bench.md", table)
+            typer.echo(f"report: {out / 'bench.json'} {out / 'bench.md'}")

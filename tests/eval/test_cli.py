@@ -1,0 +1,79 @@
+"""`flashdraft eval` / `flashdraft bench` end to end on a tiny saved target: report files, side-by-side
+drafters, bad pairs rejected with the one-line error."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from flashdraft.cli import app
+from tests.conftest import tiny_drafter, tiny_target
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("cli")
+    target = tiny_target("qwen3")
+    target.model.save_pretrained(root / "target")
+    tiny_drafter(target, seed=1).save_pretrained(root / "d1")
+    tiny_drafter(target, seed=2, layers=1).save_pretrained(root / "d2")
+    tiny_drafter(tiny_target("qwen3", hidden=48), seed=1).save_pretrained(root / "wrong")
+    prompts = root / "prompts.jsonl"
+    prompts.write_text(
+        "".join(json.dumps({"id": f"q{i}", "input_ids": [3 + i, 8, 13, 21]}) + "\n" for i in range(3))
+    )
+    return {"root": root, "target": root / "target", "prompts": prompts}
+
+
+def test_eval_side_by_side_writes_reports(setup: dict[str, Path]) -> None:
+    out = setup["root"] / "out"
+    r = CliRunner().invoke(app, [
+        "eval", "--target", str(setup["target"]), "--drafter", str(setup["root"] / "d1"),
+        "--drafter", str(setup["root"] / "d2"), "--dataset", str(setup["prompts"]), "--max-new-tokens", "12",
+        "--budgets", "2,4,8", "--topk", "2,4", "--dtype", "float64", "--out", str(out),
+        "--cache-dir", str(setup["root"] / "cache"), "--no-progress",
+    ])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    rep = json.loads((out / "report.json").read_text())
+    assert set(rep["drafters"]) == {"d1", "d2"}
+    assert rep["methods"] == ["chain", "ddtree-2", "ddtree-4", "ddtree-8", "topk-2", "topk-4"]
+    assert rep["max_new_tokens"] == 12 and rep["template"].startswith("token ids")
+    md = (out / "report.md").read_text()
+    assert "| d1 |" in md and "| d2 |" in md and "top-k streak" in md
+    for png in ("report_tau.png", "report_slots.png", "report_histogram.png"):
+        assert (out / png).stat().st_size > 5000
+    assert "| drafter | chain | ddtree-2" in r.output
+
+
+def test_eval_rejects_bad_pair(setup: dict[str, Path]) -> None:
+    r = CliRunner().invoke(app, [
+        "eval", "--target", str(setup["target"]), "--drafter", str(setup["root"] / "wrong"),
+        "--dataset", str(setup["prompts"]), "--dtype", "float64", "--no-progress",
+    ])  # fmt: skip
+    assert r.exit_code == 2
+    assert "hidden_size 48 != target hidden_size 32" in r.output
+    assert len([ln for ln in r.output.splitlines() if ln.startswith("error:")]) == 1
+
+
+def test_bench_reports_speed_and_identity(setup: dict[str, Path]) -> None:
+    out = setup["root"] / "bench"
+    r = CliRunner().invoke(app, [
+        "bench", "--target", str(setup["target"]), "--drafter", str(setup["root"] / "d1"),
+        "--dataset", str(setup["prompts"]), "--limit", "2", "--methods", "ar,chain,ddtree:4",
+        "--max-new-tokens", "10", "--dtype", "float64", "--out", str(out), "--no-progress",
+    ])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    rep = json.loads((out / "bench.json").read_text())
+    rows = {x["method"]: x for x in rep["rows"]}
+    assert list(rows) == ["ar", "chain", "ddtree:4"] and rep["engine"] == "reference"
+    assert rows["ar"]["speedup"] == pytest.approx(1.0) and rows["ar"]["tau"] is None
+    for m in ("chain", "ddtree:4"):
+        assert (
+            rows[m]["identical_to_ar"] == 2
+            and rows[m]["tau"] >= 1.0
+            and rows[m]["tokens"] == rows["ar"]["tokens"]
+        )
+    assert "speedup vs AR" in (out / "bench.md").read_text()

@@ -1,0 +1,144 @@
+"""Reference cache (a second call runs no target) and server references checked against the target."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from flashdraft.decode.generate import generate
+from flashdraft.eval.evaluate import evaluate
+from flashdraft.eval.prompts import EvalPrompt
+from flashdraft.eval.references import ReferenceSettings, ServerConfig, compute_references
+from tests.conftest import tiny_drafter, tiny_target
+
+PROMPTS = [EvalPrompt(f"p{i}", [3 + i, 7, 9, 11 + i, 4], "token ids") for i in range(3)]
+
+
+def _count_forwards(target, monkeypatch) -> list[int]:  # type: ignore[no-untyped-def]
+    calls = [0]
+    real = target.forward
+
+    def counted(*a, **k):  # type: ignore[no-untyped-def]
+        calls[0] += 1
+        return real(*a, **k)
+
+    monkeypatch.setattr(target, "forward", counted)
+    return calls
+
+
+def test_second_call_is_cached(tmp_path, monkeypatch) -> None:
+    target = tiny_target("llama")
+    calls = _count_forwards(target, monkeypatch)
+    settings = ReferenceSettings(max_new_tokens=12, stop_token_ids=[])
+    first = compute_references(target, PROMPTS, settings, cache_dir=tmp_path, progress=False)
+    assert first.computed == 3 and first.cached == 0 and calls[0] > 0
+    n = calls[0]
+    second = compute_references(target, PROMPTS, settings, cache_dir=tmp_path, progress=False)
+    assert calls[0] == n, "a cached reference must not run the target"
+    assert second.computed == 0 and second.cached == 3
+    assert [r.tokens for r in second.references] == [r.tokens for r in first.references]
+    expect = generate(
+        target, None, PROMPTS[0].input_ids, max_new_tokens=12, method="ar", stop_token_ids=[]
+    ).tokens
+    assert first.references[0].tokens == expect
+    # another setting, another target (weights) or another prompt is a different key
+    third = compute_references(
+        target,
+        PROMPTS,
+        ReferenceSettings(max_new_tokens=8, stop_token_ids=[]),
+        cache_dir=tmp_path,
+        progress=False,
+    )
+    assert third.computed == 3
+    other = tiny_target("llama", seed=5)
+    assert compute_references(other, PROMPTS[:1], settings, cache_dir=tmp_path, progress=False).computed == 1
+
+
+def test_sampled_references_are_seeded(tmp_path) -> None:
+    target = tiny_target("qwen3")
+    s = ReferenceSettings(max_new_tokens=16, temperature=1.0, seed=3, stop_token_ids=[])
+    a = compute_references(target, PROMPTS, s, cache_dir=tmp_path / "a", progress=False).references
+    b = compute_references(target, PROMPTS, s, cache_dir=tmp_path / "b", progress=False).references
+    assert [r.tokens for r in a] == [r.tokens for r in b]
+    c = compute_references(
+        target, PROMPTS, ReferenceSettings(16, 1.0, 4, []), cache_dir=tmp_path / "c", progress=False
+    ).references
+    assert [r.tokens for r in a] != [r.tokens for r in c]
+
+
+def test_server_references_checked_and_cut(tmp_path) -> None:
+    """A fake OpenAI-compatible server answers the target's greedy continuation, with one token
+    changed in the second prompt: the replay stops there and the agreement rate says so."""
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target)
+    truth = {
+        tuple(p.input_ids): generate(
+            target, None, p.input_ids, max_new_tokens=16, method="ar", stop_token_ids=[]
+        ).tokens
+        for p in PROMPTS
+    }
+    seen = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        seen.append(body)
+        if len(seen) == 1:
+            return httpx.Response(503, text="warming up")  # retried
+        toks = list(truth[tuple(body["prompt"])])
+        if body["prompt"] == PROMPTS[1].input_ids:
+            toks[5] = (toks[5] + 1) % 97
+        return httpx.Response(
+            200, json={"choices": [{"text": "", "token_ids": toks, "finish_reason": "length"}]}
+        )
+
+    server = ServerConfig("http://fake/v1", "tiny", concurrency=1, retries=2)
+    refs = compute_references(
+        target,
+        PROMPTS,
+        ReferenceSettings(16, stop_token_ids=[]),
+        cache_dir=tmp_path,
+        server=server,
+        progress=False,
+        transport=httpx.MockTransport(handler),
+    )
+    assert refs.computed == 3 and len(seen) == 4 and seen[0]["max_tokens"] == 16
+    report = evaluate(
+        target,
+        {"d": drafter},
+        PROMPTS,
+        budgets=[4],
+        topk=2,
+        max_new_tokens=16,
+        references=refs.references,
+        progress=False,
+    )
+    st = report.references
+    assert st.truncated_samples == 1
+    assert st.tokens == 16 + 5 + 16  # the changed prompt keeps the 5 tokens before the disagreement
+    assert st.checked == 16 + 6 + 16 and st.agreed == 37  # compared up to the first disagreement
+    assert st.agreement_rate == pytest.approx(37 / 38)
+    assert len(st.divergences) == 1
+    assert st.divergences[0]["index"] == 5 and st.divergences[0]["id"] == "p1"
+
+
+def test_server_client_error_is_not_retried(tmp_path) -> None:
+    target = tiny_target("llama")
+    calls = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(1)
+        return httpx.Response(404, text="model not found")
+
+    with pytest.raises(ValueError, match="HTTP 404"):
+        compute_references(
+            target,
+            PROMPTS[:1],
+            ReferenceSettings(8, stop_token_ids=[]),
+            cache_dir=tmp_path,
+            server=ServerConfig("http://fake/v1"),
+            progress=False,
+            transport=httpx.MockTransport(handler),
+        )
+    assert len(calls) == 1
