@@ -1,0 +1,135 @@
+"""`flashdraft generate`: one completion with speculative decoding, then a one-line summary.
+
+flashdraft generate --drafter RUN --prompt "Write a haiku about rain" --chat
+flashdraft generate --drafter models/smollm2-dflash-b16 --prompt "def fib(n):" --method ddtree --budget 8
+flashdraft generate --method ar --prompt "Hello" --chat --temperature 0.7 --seed 1
+flashdraft generate --target ./tiny --drafter ./tiny-drafter --prompt-ids 5,17,33   # no tokenizer needed
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+
+def resolve_drafter_path(path: str) -> Path:
+    """A drafter folder, a checkpoint folder (…/step-N, holding drafter/) or a run folder (latest step)."""
+    p = Path(path)
+    if (p / "config.json").is_file():
+        return p
+    if (p / "drafter" / "config.json").is_file():
+        return p / "drafter"
+    steps = sorted((p / "checkpoints").glob("step-*/drafter/config.json"))
+    if steps:
+        return steps[-1].parent  # step folders are zero-padded: the last is the latest
+    raise FileNotFoundError(
+        f"{p}: not a drafter folder (no config.json), a checkpoint (no drafter/) or a run (no checkpoints/step-*)"
+    )
+
+
+def _stop_ids(tokenizer, model) -> list[int]:  # type: ignore[no-untyped-def]
+    """The tokenizer's eos (and the generation config's, when it lists more)."""
+    ids: set[int] = set()
+    for src in (getattr(model, "generation_config", None), tokenizer):
+        eos = getattr(src, "eos_token_id", None)
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif isinstance(eos, list | tuple):
+            ids.update(int(e) for e in eos)
+    return sorted(ids)
+
+
+def register(app: typer.Typer) -> None:
+    @app.command()
+    def generate(
+        prompt: str | None = typer.Option(None, help="the prompt text"),
+        prompt_ids: str | None = typer.Option(
+            None, help="the prompt as comma-separated token ids (no tokenizer)"
+        ),
+        target: str = typer.Option("default", help="HF folder, hub-style id, .gguf path, or 'default'"),
+        drafter: str | None = typer.Option(
+            None, help="drafter folder, checkpoint folder, or run folder (latest)"
+        ),
+        chat: bool = typer.Option(False, "--chat", help="wrap the prompt in the tokenizer's chat template"),
+        method: str = typer.Option("chain", help="chain | ddtree | ar"),
+        budget: int | None = typer.Option(None, help="DDTree nodes excluding the root (method ddtree)"),
+        temperature: float = typer.Option(0.0, help="0 = greedy"),
+        top_p: float = typer.Option(1.0),
+        top_k: int = typer.Option(0, help="0 = off"),
+        max_new_tokens: int = typer.Option(256),
+        seed: int | None = typer.Option(None, help="sampling seed (T > 0)"),
+        ignore_eos: bool = typer.Option(False, "--ignore-eos", help="do not stop at the tokenizer's eos"),
+        dtype: str = typer.Option("float32", help="float32 | bfloat16 | float16 | float64"),
+        device: str = typer.Option("cpu"),
+        attn: str = typer.Option(
+            "sdpa", help="target attention: sdpa | eager (ddtree cannot use flash-attention)"
+        ),
+    ) -> None:
+        """Generate one completion with DFlash speculative decoding and print a summary line."""
+        import torch
+
+        from flashdraft.decode.generate import METHODS
+        from flashdraft.decode.generate import generate as run_generate
+        from flashdraft.drafter import DFlashDrafter
+        from flashdraft.target import check_pair, load_target
+
+        if method not in METHODS:
+            raise typer.BadParameter(
+                f"unknown method {method!r}: use one of {', '.join(METHODS)}", param_hint="--method"
+            )
+        if (prompt is None) == (prompt_ids is None):
+            raise typer.BadParameter("give exactly one of --prompt and --prompt-ids")
+        if method == "ddtree" and budget is None:
+            raise typer.BadParameter("--method ddtree needs --budget N (tree nodes excluding the root)")
+        if method != "ar" and drafter is None:
+            raise typer.BadParameter(f"--method {method} needs --drafter (or use --method ar)")
+        try:
+            t = load_target(target, dtype=dtype, device=device, attn_implementation=attn)
+            d = None
+            if method != "ar":
+                assert drafter is not None
+                d = DFlashDrafter.from_pretrained(
+                    resolve_drafter_path(drafter), dtype=t.dtype, device=t.device
+                )
+                check_pair(t, d.config)
+        except (ValueError, FileNotFoundError) as e:
+            typer.echo(f"error: {e}", err=True)
+            raise typer.Exit(2) from None
+        tok = t.tokenizer
+        if prompt_ids is not None:
+            try:
+                ids = torch.tensor([int(x) for x in prompt_ids.split(",") if x.strip()])
+            except ValueError:
+                raise typer.BadParameter(
+                    f"--prompt-ids {prompt_ids!r}: expected comma-separated integers"
+                ) from None
+        else:
+            if tok is None:
+                raise typer.BadParameter(f"target {target!r} has no tokenizer: pass --prompt-ids")
+            if chat:
+                ids = tok.apply_chat_template(
+                    [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt",
+                    return_dict=True,
+                )["input_ids"][0]  # fmt: skip
+            else:
+                ids = tok(prompt, return_tensors="pt")["input_ids"][0]
+        stop = [] if ignore_eos or tok is None else _stop_ids(tok, t.model)
+        try:
+            res = run_generate(
+                t, d, ids, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                method=method, budget=budget, stop_token_ids=stop, seed=seed,
+            )  # fmt: skip
+        except ValueError as e:
+            typer.echo(f"error: {e}", err=True)
+            raise typer.Exit(2) from None
+        if tok is not None:
+            typer.echo(tok.decode(res.tokens, skip_special_tokens=True))
+        else:
+            typer.echo(" ".join(str(x) for x in res.tokens))
+        label = f"ddtree-{budget}" if method == "ddtree" else method
+        typer.echo(
+            f"[{label}] {len(res.tokens)} tokens, {res.rounds} rounds, mean τ {res.mean_acceptance:.2f}, "
+            f"{res.tokens_per_second:.1f} tok/s, stop: {res.stop_reason} (prompt {res.prompt_tokens} tokens)",
+            err=True,
+        )
