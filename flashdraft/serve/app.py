@@ -92,8 +92,7 @@ def create_app(engine: Engine, settings: AppSettings | None = None) -> FastAPI:
 
     @app.exception_handler(APIError)
     async def api_error(_request: Request, exc: APIError) -> JSONResponse:
-        if exc.status >= 500:
-            metrics.observe_error("server_error" if exc.status == 500 else exc.code or "server_error")
+        # not counted here: the worker counts the failures it reports, `run` counts its own timeouts
         return _error_response(exc)
 
     @app.exception_handler(StarletteHTTPException)
@@ -232,6 +231,7 @@ def create_app(engine: Engine, settings: AppSettings | None = None) -> FastAPI:
                         return Response(status_code=499)
                     if time.monotonic() > give_up:
                         job.cancel()
+                        metrics.observe_error("timeout")
                         raise APIError(504, "the request timed out", code="timeout") from None
                     continue
                 if isinstance(ev, Delta):

@@ -200,6 +200,7 @@ class Engine:
 
     def submit(self, job: Job) -> None:
         if self._thread is None or not self._thread.is_alive():
+            self.metrics.observe_error("worker_down")
             raise APIError(503, "the worker is not running", code="worker_down")
         try:
             if self.settings.max_queue == 0 and self.busy:
