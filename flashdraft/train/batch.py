@@ -141,6 +141,14 @@ def pack_rows(docs: Sequence[Sequence[Sample]], max_length: int, pad_multiple: i
     return TokenBatch(input_ids, loss_mask, position_ids, doc_ids, sample_ids)
 
 
+def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """CPU → device without a host sync: pinned memory and non_blocking on CUDA."""
+    device = torch.device(device)
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 def document_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
     """[R, S] doc ids → bool [R, 1, S, S]: causal within a document, nothing across documents.
 
@@ -157,13 +165,13 @@ def document_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
 def compute_features(target, rows: TokenBatch, layer_ids: list[int]) -> FeatureBatch:  # type: ignore[no-untyped-def]
     """One target pass over packed rows → raw selected-layer features [R, S, k·H] (no logits)."""
     device = target.device
-    mask = attention_mask_for(
-        document_causal_mask(rows.doc_ids).to(device), target.attn_implementation, target.dtype
-    )
+    # the [R, 1, S, S] mask is built on the device from the doc ids: only [R, S] tensors cross
+    doc_ids = to_device(rows.doc_ids, device)
+    mask = attention_mask_for(document_causal_mask(doc_ids), target.attn_implementation, target.dtype)
     out = target.forward(
-        rows.input_ids.to(device),
+        to_device(rows.input_ids, device),
         layer_ids=list(layer_ids),
-        position_ids=rows.position_ids.to(device),
+        position_ids=to_device(rows.position_ids, device),
         attention_mask=mask,
         logits="none",
     )

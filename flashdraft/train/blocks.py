@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from flashdraft.train.batch import FeatureBatch
+from flashdraft.train.batch import FeatureBatch, to_device
 
 IGNORE = -100  # label of a slot without loss
 
@@ -60,7 +60,9 @@ class AnchorSampler:
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         self.generator.set_state(state["generator"])
 
-    def sample(self, batch: FeatureBatch, max_anchors: int) -> Anchors:
+    def sample(self, batch: FeatureBatch, max_anchors: int, block_multiple: int = 1) -> Anchors:
+        """Anchors per row, padded to the row maximum rounded up to `block_multiple` blocks
+        (few distinct query lengths for compiled kernels; padding blocks carry no loss)."""
         ok = valid_anchor_positions(batch.loss_mask, batch.doc_ids)  # [R, S]
         per_row: list[torch.Tensor] = []
         starts: list[torch.Tensor] = []
@@ -79,6 +81,7 @@ class AnchorSampler:
             per_row.append(torch.cat(picked) if picked else torch.zeros(0, dtype=torch.long))
             starts.append(torch.cat(picked_start) if picked_start else torch.zeros(0, dtype=torch.long))
         n = max(1, max(len(p) for p in per_row))  # >= 1 block per row keeps shapes non-empty
+        n = -(-n // block_multiple) * block_multiple
         r_count = len(per_row)
         positions = torch.zeros(r_count, n, dtype=torch.long)
         doc_start = torch.zeros(r_count, n, dtype=torch.long)
@@ -113,8 +116,8 @@ class DraftBatch:
         """[N·B] slot index of every query position."""
         return torch.arange(self.num_blocks * self.block_size, device=self.block_ids.device) % self.block_size
 
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> DraftBatch:
-        mv = {k: getattr(self, k).to(device, non_blocking=non_blocking) for k in
+    def to(self, device: torch.device | str) -> DraftBatch:
+        mv = {k: to_device(getattr(self, k), device) for k in
               ("block_ids", "position_ids", "labels", "label_index", "anchors", "doc_start", "valid")}  # fmt: skip
         return DraftBatch(**mv, block_size=self.block_size, context_len=self.context_len)
 
@@ -186,11 +189,16 @@ def block_mask_mod(draft: DraftBatch) -> Any:
 
 
 def flex_block_mask(draft: DraftBatch, device: torch.device | str | None = None) -> Any:
-    """A FlexAttention BlockMask for the drafter step (heads broadcast)."""
+    """A FlexAttention BlockMask for the drafter step (heads broadcast).
+
+    On CUDA the mask is built by a compiled kernel: uncompiled, create_block_mask materialises
+    the dense [R, Q, KV] mask first, which for thousands of blocks per row is gigabytes.
+    """
     from torch.nn.attention.flex_attention import create_block_mask
 
     r, q = draft.block_ids.shape
-    dev = device if device is not None else draft.anchors.device
+    dev = torch.device(device if device is not None else draft.anchors.device)
     return create_block_mask(
-        block_mask_mod(draft), B=r, H=None, Q_LEN=q, KV_LEN=draft.context_len + q, device=dev
-    )
+        block_mask_mod(draft), B=r, H=None, Q_LEN=q, KV_LEN=draft.context_len + q, device=dev,
+        _compile=dev.type == "cuda",
+    )  # fmt: skip

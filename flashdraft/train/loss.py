@@ -82,9 +82,13 @@ class LinearCrossEntropy(torch.autograd.Function):
         acc = torch.promote_types(hidden.dtype, torch.float32)  # float32, or float64 for exact tests
         ce = torch.empty(t, dtype=acc, device=hidden.device)
         pred = torch.empty(t, dtype=torch.long, device=hidden.device)
-        w_mat = weight if hidden.dtype == weight.dtype else weight.to(hidden.dtype)
+        # matmuls in the autocast dtype when autocast is on (a bf16 head: no fp32 copy of [V, H])
+        dev = hidden.device.type
+        on = torch.is_autocast_enabled(dev)
+        cdt = torch.get_autocast_dtype(dev) if on else torch.promote_types(hidden.dtype, weight.dtype)
+        w_mat = weight if weight.dtype == cdt else weight.to(cdt)
         for i in range(0, t, chunk):
-            h = hidden[i : i + chunk]
+            h = hidden[i : i + chunk].to(cdt)
             logits = (h @ w_mat.t()).to(acc)  # [c, V]
             lse = torch.logsumexp(logits, dim=-1)  # [c]
             lab = labels[i : i + chunk]
@@ -124,7 +128,7 @@ def drafter_loss(
     draft: DraftBatch,  # on hidden's device
     lm_head_weight: torch.Tensor,  # [V, H] the target's frozen head
     weights: torch.Tensor,  # [B] slot weights
-    denominator: torch.Tensor,  # Σw over the global batch (see loss_denominator)
+    denominator: torch.Tensor | float,  # Σw over the global batch, a CPU value (see loss_denominator)
     chunk_tokens: int = 4096,
 ) -> LossOutput:
     r, q, h = hidden.shape
@@ -139,7 +143,7 @@ def drafter_loss(
     total, ce, pred = LinearCrossEntropy.apply(sel, lm_head_weight, labels, tok_w, chunk_tokens)
     # DDP averages gradients over ranks: scale by world size so the result is Σ w·CE / Σw_global
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    loss = total * (world / denominator.to(device=device, dtype=total.dtype))
+    loss = total * (world / float(denominator))  # a host float: no device transfer, no sync
     correct = (pred == labels).float()  # [T]
     slot_of = flat_slots.index_select(0, idx)
     slot_correct = torch.zeros(b, device=device).index_add_(0, slot_of, correct)

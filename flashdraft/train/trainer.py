@@ -271,12 +271,12 @@ class Trainer:
 
     def _optimizer_step(self, micro: list[Any], interval: _Interval) -> None:
         cfg = self.cfg
-        drafts_cpu = [
-            build_blocks(
-                fb, self.anchor_sampler.sample(fb, cfg.data.max_anchors), self.block_size, self.mask_token_id
-            )
-            for fb in micro
-        ]
+        # pad the query length N·B to a multiple of data.pad_multiple (few shapes for compiled kernels)
+        blocks_multiple = max(1, cfg.data.pad_multiple // self.block_size)
+        drafts_cpu = []
+        for fb in micro:
+            anchors = self.anchor_sampler.sample(fb, cfg.data.max_anchors, blocks_multiple)
+            drafts_cpu.append(build_blocks(fb, anchors, self.block_size, self.mask_token_id))
         denom = loss_denominator(drafts_cpu, self.weights).clamp_min(1.0)  # ≥ 1 whenever any slot has a label
         lr = self.schedule(self.step)
         for g in self.optimizer.param_groups:
@@ -284,7 +284,7 @@ class Trainer:
         weights = self.weights.to(self.device)
         step_ce = torch.zeros((), dtype=torch.float64, device=self.device)
         for i, (fb, d_cpu) in enumerate(zip(micro, drafts_cpu, strict=True)):
-            draft = d_cpu.to(self.device, non_blocking=True)
+            draft = d_cpu.to(self.device)
             last = i == len(micro) - 1
             no_sync = getattr(self.model, "no_sync", None)
             ctx = no_sync() if (no_sync is not None and not last) else contextlib.nullcontext()
@@ -306,7 +306,7 @@ class Trainer:
             self.anchors_seen += int(d_cpu.valid.sum())
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip, foreach=True).double()
-        step_loss = step_ce / denom.double().to(self.device)
+        step_loss = step_ce / float(denom)
         bad = ~(torch.isfinite(grad_norm) & torch.isfinite(step_loss))
         # a non-finite step is skipped on the device: fused AdamW leaves weights and moments alone
         self.optimizer.found_inf = bad.float()  # type: ignore[attr-defined]
