@@ -40,9 +40,18 @@ def register(app: typer.Typer) -> None:
         ),
         device: str = typer.Option("cpu"),
         dtype: str = typer.Option("float32", help="float32 | bfloat16 | float16 | float64"),
+        threads: int | None = typer.Option(
+            None,
+            help="CPU threads for torch (on a shared CPU, 1 avoids OpenMP threads spinning against each other)",
+        ),
     ) -> None:
         """Serve the target with speculative decoding behind an OpenAI-compatible HTTP API."""
         import logging
+
+        import torch
+
+        if threads:
+            torch.set_num_threads(threads)
 
         from flashdraft.serve.app import AppSettings, create_app
         from flashdraft.serve.protocol import Limits

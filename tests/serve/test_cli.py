@@ -1,0 +1,52 @@
+"""`flashdraft serve` / `flashdraft export` command wiring (the server itself is tested in test_server.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from typer.testing import CliRunner
+
+from flashdraft.cli import app
+from tests.conftest import tiny_drafter, tiny_target
+
+runner = CliRunner()
+
+
+def test_serve_and_export_are_registered() -> None:
+    r = runner.invoke(app, ["serve", "--help"])
+    assert r.exit_code == 0
+    for opt in (
+        "--target",
+        "--drafter",
+        "--method",
+        "--budget",
+        "--host",
+        "--port",
+        "--api-key",
+        "--max-queue",
+        "--timeout",
+        "--max-body-bytes",
+        "--device",
+        "--dtype",
+    ):
+        assert opt in r.output, opt
+    r = runner.invoke(app, ["export", "--help"])
+    assert r.exit_code == 0 and "--to" in r.output and "--dtype" in r.output
+
+
+def test_serve_refuses_unknown_method_before_loading() -> None:
+    r = runner.invoke(app, ["serve", "--method", "beam"])
+    assert r.exit_code != 0 and "method 'beam' is unknown" in r.output
+
+
+def test_export_command(tmp_path: Path) -> None:
+    target = tiny_target("llama", dtype=torch.float32)
+    tiny_drafter(target, block_size=16).float().save_pretrained(tmp_path / "src")
+    r = runner.invoke(app, ["export", str(tmp_path / "src"), "--to", str(tmp_path / "out")])
+    assert r.exit_code == 0, r.output
+    assert "identical at bfloat16" in r.output
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["dtype"] == "bfloat16"
+    r = runner.invoke(app, ["export", str(tmp_path / "nothing"), "--to", str(tmp_path / "o2")])
+    assert r.exit_code != 0 and "no such folder" in r.output
