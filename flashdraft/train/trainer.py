@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from flashdraft.config import to_dict
-from flashdraft.train.blocks import AnchorSampler, build_blocks
+from flashdraft.train.blocks import AnchorSampler, DraftBatch, build_blocks
 from flashdraft.train.checkpoint import (
     TrainerState,
     load_drafter_weights,
@@ -87,7 +87,7 @@ def config_hash(cfg: TrainConfig) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
 
-class _Interval:
+class Interval:
     """Device-side sums over one log interval (read once, at log time)."""
 
     def __init__(self, block_size: int, device: torch.device) -> None:
@@ -229,7 +229,7 @@ class Trainer:
             from tqdm import tqdm
 
             bar = tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step", file=sys.stderr)
-        interval = _Interval(self.block_size, self.device)
+        interval = Interval(self.block_size, self.device)
         try:
             while self.step < self.total_steps:
                 micro = []
@@ -242,7 +242,7 @@ class Trainer:
                     stopped = "data_exhausted"
                     break
                 try:
-                    self._optimizer_step(micro, interval)
+                    self.optimizer_step(micro, interval)
                 except torch.OutOfMemoryError as e:
                     raise TrainingError(f"step {self.step + 1}: {OOM_HINT}") from e
                 self.step += 1
@@ -252,7 +252,7 @@ class Trainer:
                     self.on_step_end(self, self.step)
                 if self.step % cfg.telemetry.log_every == 0 or self.step == self.total_steps:
                     last = self._log(interval, bar)
-                    interval = _Interval(self.block_size, self.device)
+                    interval = Interval(self.block_size, self.device)
                 if self.step % cfg.checkpoint.every == 0 or self._checkpoint_requested:
                     self._checkpoint_requested = False
                     self.save()
@@ -269,7 +269,8 @@ class Trainer:
             self.logger.close()
         return TrainResult(self.step, self.source.epoch, stopped, self.last_checkpoint, last)
 
-    def _optimizer_step(self, micro: list[Any], interval: _Interval) -> None:
+    def optimizer_step(self, micro: list[Any], interval: Interval) -> list[DraftBatch]:
+        """One optimizer step over the micro-batches; returns their (CPU) blocks, e.g. for FLOP counts."""
         cfg = self.cfg
         # pad the query length N·B to a multiple of data.pad_multiple (few shapes for compiled kernels)
         blocks_multiple = max(1, cfg.data.pad_multiple // self.block_size)
@@ -321,8 +322,9 @@ class Trainer:
         interval.grad_norm_sum += torch.where(bad, torch.zeros_like(grad_norm), grad_norm)
         interval.steps += 1
         self._lr = lr
+        return drafts_cpu
 
-    def _log(self, iv: _Interval, bar: Any) -> dict[str, Any]:
+    def _log(self, iv: Interval, bar: Any) -> dict[str, Any]:
         """Read the interval's device sums (the one host sync), log them, apply the NaN guard."""
         elapsed = max(time.perf_counter() - iv.start, 1e-9)
         good = float(iv.good_steps)

@@ -1,0 +1,248 @@
+"""Training throughput: target features computed in the loop (online, in-process), drafter step timed apart.
+
+    python benchmarks/train_throughput.py                                  # SmolLM2-135M + 5-layer b16 drafter, CUDA
+    python benchmarks/train_throughput.py --json benchmarks/results/train_throughput.json
+    python benchmarks/train_throughput.py --device cpu --tiny --steps 3    # a CPU smoke run of the same code path
+
+Each measured step runs the trainer's own code (`InProcessSource` → `Trainer.optimizer_step`),
+with a device sync around the target pass and around the drafter step so the split is exact
+(the trainer itself does not sync there). Reported:
+
+- target tokens/s: packed target tokens per second of (target + drafter) time;
+- drafter-step MFU: model FLOPs / drafter-step time / peak, where model FLOPs =
+  6 × trainable drafter params × block tokens + 4 × H × V × block tokens (frozen lm_head:
+  forward and input gradient) + attention FLOPs over unmasked query–key pairs only
+  (12 × layers × heads × head_dim per pair: QKᵀ and PV, forward and backward);
+  block tokens count valid blocks only (padding blocks are overhead, not model work);
+- time split target / drafter, peak memory (CUDA allocator).
+Documents are synthetic (random ids, the first `--prompt-frac` of each outside the loss
+mask) unless `--dataset` names a flashdraft dataset: throughput depends on lengths, not ids.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from flashdraft.config import load_config
+from flashdraft.train.blocks import DraftBatch
+from flashdraft.train.config import TrainConfig
+from flashdraft.train.launch import build_drafter, resolve_precision
+from flashdraft.train.metrics import MetricsLogger
+from flashdraft.train.source import InProcessSource
+from flashdraft.train.trainer import Interval, Trainer
+
+
+@dataclass
+class Doc:
+    id: str
+    input_ids: np.ndarray
+    loss_mask: np.ndarray
+
+
+def synthetic_docs(
+    n: int, mean_len: int, max_len: int, vocab: int, prompt_frac: float, seed: int
+) -> list[Doc]:
+    rng = np.random.default_rng(seed)
+    docs = []
+    for i in range(n):
+        length = int(min(max_len, max(16, rng.integers(mean_len // 2, mean_len * 3 // 2 + 1))))
+        p = int(length * prompt_frac)
+        docs.append(
+            Doc(f"s{i}", rng.integers(0, vocab, length), np.r_[np.zeros(p, bool), np.ones(length - p, bool)])
+        )
+    return docs
+
+
+def tiny_random_target(device: torch.device, dtype: torch.dtype):  # noqa: ANN201
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from flashdraft.target import TargetModel
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=False,
+    )  # fmt: skip
+    cfg._attn_implementation = "sdpa"
+    return TargetModel(LlamaForCausalLM(cfg).to(device=device, dtype=dtype), name="tiny-random-llama")
+
+
+def attention_pairs(d: DraftBatch) -> int:
+    """Unmasked query–key pairs of valid blocks: B × (a − doc_start) context + B × B in-block."""
+    ctx = ((d.anchors - d.doc_start) * d.valid).sum().item()
+    return int(d.block_size * ctx + d.block_size * d.block_size * d.valid.sum().item())
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--target", default="default", help="target for load_target (ignored with --tiny)")
+    ap.add_argument("--tiny", action="store_true", help="a tiny random target and drafter (CPU smoke run)")
+    ap.add_argument(
+        "--dataset", default=None, help="a flashdraft dataset folder instead of synthetic documents"
+    )
+    ap.add_argument("--layers", type=int, default=5)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--max-length", type=int, default=3072)
+    ap.add_argument("--token-budget", type=int, default=16384)
+    ap.add_argument("--max-anchors", type=int, default=512)
+    ap.add_argument("--doc-length", type=int, default=1024, help="mean synthetic document length")
+    ap.add_argument("--prompt-frac", type=float, default=0.2)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument(
+        "--warmup-steps", type=int, default=5, help="untimed steps first (compilation, autotuning)"
+    )
+    ap.add_argument("--grad-accum", type=int, default=1)
+    ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--peak-tflops", type=float, default=790.0, help="bf16 ceiling of the device (H200: 790)")
+    ap.add_argument("--json", default=None, help="write the results here")
+    args = ap.parse_args()
+
+    device = torch.device(args.device)
+    if args.tiny:
+        args.max_length, args.token_budget = min(args.max_length, 256), min(args.token_budget, 512)
+        args.doc_length, args.max_anchors = min(args.doc_length, 96), min(args.max_anchors, 32)
+    cfg = load_config(
+        TrainConfig, None,
+        [f"model.num_layers={2 if args.tiny else args.layers}", f"model.block_size={args.block_size}",
+         f"data.max_length={args.max_length}", f"data.token_budget={args.token_budget}",
+         f"data.max_anchors={args.max_anchors}", f"optim.grad_accum={args.grad_accum}",
+         f"optim.max_steps={args.steps + args.warmup_steps}", f"runtime.device={device}",
+         f"runtime.compile={not args.no_compile}", "data.dataset=<benchmark>", "telemetry.progress=false"],
+    )  # fmt: skip
+    prec = resolve_precision(cfg, device)
+    t_load = time.perf_counter()
+    if args.tiny:
+        target = tiny_random_target(device, prec.target)
+    else:
+        from flashdraft.target import load_target
+
+        target = load_target(args.target, dtype=prec.target, device=device)
+    load_s = time.perf_counter() - t_load
+    drafter = build_drafter(cfg, target, device, prec.params)
+    if args.dataset:
+        from flashdraft.data.dataset import open_dataset
+
+        docs = open_dataset(args.dataset, "train")
+        lengths = [int(n) for n in docs.lengths]
+    else:
+        n_docs = (
+            4
+            * (args.steps + args.warmup_steps)
+            * args.grad_accum
+            * max(1, args.token_budget // args.doc_length)
+        )
+        docs = synthetic_docs(
+            n_docs, args.doc_length, args.max_length, target.vocab_size, args.prompt_frac, 0
+        )
+        lengths = [len(d.input_ids) for d in docs]
+    source = InProcessSource(
+        docs, target, drafter.target_layer_ids, max_length=args.max_length, token_budget=args.token_budget,
+        epochs=None, seed=0, pad_multiple=cfg.data.pad_multiple, lengths=lengths,
+    )  # fmt: skip
+    attention = "flex" if device.type == "cuda" else "dense"
+    model = torch.compile(drafter) if (device.type == "cuda" and not args.no_compile) else drafter
+    run_dir = tempfile.mkdtemp(prefix="train-throughput-")
+    trainer = Trainer(
+        cfg, target, drafter, source, run_dir=run_dir, model=model,
+        logger=MetricsLogger(run_dir, enabled=False), device=device, compute_dtype=prec.compute, attention=attention,
+    )  # fmt: skip
+    hcfg = drafter.config
+    params = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
+    batches = iter(source)
+    rows = []
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    for i in range(args.warmup_steps + args.steps):
+        sync(device)
+        t0 = time.perf_counter()
+        micro = [next(batches) for _ in range(args.grad_accum)]
+        sync(device)
+        t1 = time.perf_counter()
+        drafts = trainer.optimizer_step(micro, Interval(hcfg.block_size, device))
+        sync(device)
+        t2 = time.perf_counter()
+        if i < args.warmup_steps:
+            continue
+        block_tokens = sum(int(d.valid.sum()) * d.block_size for d in drafts)
+        pairs = sum(attention_pairs(d) for d in drafts)
+        flops = (
+            6 * params * block_tokens
+            + 4 * hcfg.hidden_size * target.vocab_size * block_tokens
+            + 12 * hcfg.num_hidden_layers * hcfg.num_attention_heads * hcfg.head_dim * pairs
+        )
+        rows.append(
+            {
+                "target_s": t1 - t0,
+                "drafter_s": t2 - t1,
+                "tokens": sum(fb.num_tokens for fb in micro),
+                "padded_tokens": sum(fb.input_ids.numel() for fb in micro),
+                "block_tokens": block_tokens,
+                "padded_block_tokens": sum(d.block_ids.numel() for d in drafts),
+                "flops": flops,
+            }
+        )
+    tot = {k: sum(r[k] for r in rows) for k in rows[0]}
+    step_s = tot["target_s"] + tot["drafter_s"]
+    mfu = tot["flops"] / tot["drafter_s"] / (args.peak_tflops * 1e12)
+    result = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "target": target.name,
+        "drafter_layers": hcfg.num_hidden_layers,
+        "drafter_params": params,
+        "block_size": hcfg.block_size,
+        "max_length": args.max_length,
+        "token_budget": args.token_budget,
+        "max_anchors": args.max_anchors,
+        "grad_accum": args.grad_accum,
+        "compile": bool(device.type == "cuda" and not args.no_compile),
+        "attention": attention,
+        "precision": {"target": str(prec.target), "params": str(prec.params), "compute": str(prec.compute)},
+        "steps": args.steps,
+        "target_load_s": load_s,
+        "target_tokens_per_s": tot["tokens"] / step_s,
+        "drafter_only_target_tokens_per_s": tot["tokens"] / tot["drafter_s"],
+        "block_tokens_per_s": tot["block_tokens"] / step_s,
+        "step_s": step_s / len(rows),
+        "target_s": tot["target_s"] / len(rows),
+        "drafter_s": tot["drafter_s"] / len(rows),
+        "target_fraction": tot["target_s"] / step_s,
+        "row_padding_fraction": 1 - tot["tokens"] / tot["padded_tokens"],
+        "block_padding_fraction": 1 - tot["block_tokens"] / tot["padded_block_tokens"],
+        "drafter_tflops_per_s": tot["flops"] / tot["drafter_s"] / 1e12,
+        "drafter_mfu": mfu,
+        "peak_tflops": args.peak_tflops,
+        "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+        "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30
+        if device.type == "cuda"
+        else None,
+    }
+    w = max(len(k) for k in result)
+    for k, v in result.items():
+        shown = f"{v:,.4g}" if isinstance(v, float) and math.isfinite(v) else v
+        print(f"{k:<{w}}  {shown}")
+    if args.json:
+        out = Path(args.json)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(out.suffix + ".tmp")
+        tmp.write_text(json.dumps(result, indent=2) + "\n")
+        tmp.replace(out)
+        print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
