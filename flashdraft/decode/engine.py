@@ -133,9 +133,10 @@ def visibility_device(parents: torch.Tensor, hops: int) -> torch.Tensor:
     n1 = parents.shape[0]
     rows = torch.arange(n1, device=parents.device)
     vis = torch.zeros(n1, n1, dtype=torch.bool, device=parents.device)
+    ones = torch.ones(n1, dtype=torch.bool, device=parents.device)  # a device tensor: capturable
     cur = rows
     for _ in range(hops):
-        vis[rows, cur] = True
+        vis.index_put_((rows, cur), ones)
         cur = parents[cur]
     return vis
 
@@ -327,7 +328,7 @@ class FastEngine:
 
     def _commit_ar(self) -> None:
         b = self._qbuf(1)
-        self.out[0] = 0
+        self.out[:1].zero_()  # (`t[i] = scalar` copies from the host: not capturable)
         self.out[1:2].copy_(b["choice"])
         self.bonus.copy_(b["choice"])
         self.seq_len += 1
@@ -342,13 +343,15 @@ class FastEngine:
     def _commit_chain(self) -> None:
         b = self._qbuf(self.block)
         choice = b["choice"]  # [B]
-        accepted = (self.draft_tokens == choice[:-1]).long().cumprod(dim=0).sum()  # longest matching prefix
-        self.out[0] = accepted
+        accepted = (
+            (self.draft_tokens == choice[:-1]).long().cumprod(dim=0).sum().view(1)
+        )  # longest matching prefix
+        self.out[:1].copy_(accepted)
         self.out[1:].copy_(choice)  # committed: choice[0..a] (= the accepted drafts, then the new bonus)
         self.pending.copy_(b["features"])  # rows 0..a: the old bonus and the accepted drafts
         self.n_pending.fill_(1)
         self.n_pending += accepted
-        self.bonus.copy_(choice[accepted].view(1))
+        self.bonus.copy_(choice[accepted])  # a [1] index: a 0-d one would be read on the host
         self.seq_len += self.n_pending
 
     def _commit_tree(self, budget: int) -> None:
@@ -357,30 +360,30 @@ class FastEngine:
         parents, depths, choice, tokens = t["parents"], t["depths"], b["choice"], b["tokens"]
         # a node is accepted when its token is the target's choice after its parent, all the way up
         ok = tokens == choice[parents]  # [N+1]; the root compares its own token: forced True below
-        ok[0] = True
+        ok[:1].fill_(True)
         acc, cur = ok.clone(), parents
         for _ in range(self.block - 1):
             acc &= ok[cur]
             cur = parents[cur]
         # children of a node carry distinct tokens, so the accepted nodes form one path
-        last = (depths * acc).argmax()  # the deepest accepted node
-        accepted = depths[last]
-        anc = [last.view(1)]  # anc[j] = j-th ancestor of `last`
+        last = (depths * acc).argmax().view(1)  # the deepest accepted node ([1]: 0-d indices sync)
+        accepted = depths[last]  # [1]
+        anc = [last]  # anc[j] = j-th ancestor of `last`
         for _ in range(self.block - 1):
             anc.append(parents[anc[-1]])
         anc_t = torch.cat(anc)  # [B]
         path = anc_t[(accepted - self.block_ar).clamp(min=0)]  # [B] root first, padded with `last`
         nxt = path[(self.block_ar + 1).clamp(max=self.block - 1)]
         committed = torch.where(self.block_ar == accepted, choice[last], tokens[nxt])  # [B]
-        self.out[0] = accepted
+        self.out[:1].copy_(accepted)
         self.out[1:].copy_(committed)
         # the path's K/V move to sit right after the committed prefix (gather first: rows overlap)
         cache = self.native.cache  # [layers, 2, kv, S, hd]
         kept = cache.index_select(3, self.seq_len + path)
         cache.index_copy_(3, self.seq_len + self.block_ar, kept)
         self.pending.copy_(b["features"][path])  # [B, k·H] in path order
-        self.n_pending.copy_(accepted.view(1) + 1)
-        self.bonus.copy_(choice[last].view(1))
+        self.n_pending.copy_(accepted + 1)
+        self.bonus.copy_(choice[last])
         self.seq_len += self.n_pending
 
     # -- the host loop
