@@ -40,8 +40,8 @@ class Timings:
 
     prefill_s: float = 0.0
     decode_s: float = 0.0  # everything after the prefill
-    draft_s: float = 0.0  # drafter forward + head (+ the top-k read for a tree)
-    tree_s: float = 0.0  # heap, visibility mask, positions
+    draft_s: float = 0.0  # drafter forward + head
+    tree_s: float = 0.0  # top-k read, heap, visibility mask, positions
     verify_s: float = 0.0  # target forward, token choice, host read, cache commit
     total_s: float = 0.0
 
@@ -391,13 +391,14 @@ def _tree_verify(
     choice = choose_tokens(out.logits[0], params, generator)  # [N+1]: the target's token after each node
     choice_list: list[int] = choice.tolist()  # host read, once per round
     path = walk_tree(tree, choice_list)
-    node_tokens = [None, *tree.tokens.tolist()]
-    new, _ = _truncate([node_tokens[i] for i in path[1:]] + [choice_list[path[-1]]], remaining, stop)
+    # the walk moves to the child whose token is the target's choice, so the committed tokens are
+    # the target's choices along the path (accepted nodes, then the next bonus)
+    new, _ = _truncate([choice_list[i] for i in path], remaining, stop)
     m = len(new)
     keep = torch.tensor(path[:m], dtype=torch.long, device=device)  # the old bonus + m − 1 accepted nodes
     kv.keep_positions(state.target_cache, p, keep)
     state.pending = out.features[:, keep]  # [1, m, k·H] in path order
-    state.bonus = torch.tensor([new[-1]], dtype=torch.long, device=device)
+    state.bonus = choice[path[m - 1]].view(1)
     state.position = p + m
     timings.verify_s += time.perf_counter() - t1
     return new
