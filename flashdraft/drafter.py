@@ -335,6 +335,8 @@ class Attention(nn.Module):
         if mask is not None and not isinstance(mask, torch.Tensor):
             from torch.nn.attention.flex_attention import flex_attention
 
+            # under autocast the fp32-weight q/k norms return fp32 while v is bf16; flex needs one dtype
+            q, k = q.to(v.dtype), k.to(v.dtype)
             out = flex_attention(q, k, v, block_mask=mask, enable_gqa=self.n_heads != self.n_kv)
         else:
             if self.n_heads != self.n_kv:

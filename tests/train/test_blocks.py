@@ -173,3 +173,17 @@ def test_no_leak_between_blocks_and_from_future_context():
     out = drafter(feats2, emb2, d.position_ids, mask)
     torch.testing.assert_close(out[:, :4], base[:, :4], rtol=0, atol=1e-12)
     assert (out[:, 4:] - base[:, 4:]).abs().max() > 1e-3  # the perturbation is visible where allowed
+
+
+def test_flex_and_dense_agree_under_bf16_autocast_with_fp32_weights():
+    """The GPU recipe (fp32 master weights, bf16 autocast) through both attention paths."""
+    t = tiny_target("llama", dtype=torch.bfloat16)
+    drafter = tiny_drafter(t, block_size=4).float()
+    docs = make_docs([14, 9, 16], seed=7)
+    fb = features_for(t, [[docs[0], docs[1]], [docs[2]]], drafter.target_layer_ids, max_length=32)
+    d = build_blocks(fb, AnchorSampler(2).sample(fb, 3), block_size=4, mask_token_id=drafter.mask_token_id)
+    emb = t.embed_tokens(d.block_ids)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        dense_out = drafter(fb.features, emb, d.position_ids, dense_block_mask(d))
+        flex_out = drafter(fb.features, emb, d.position_ids, flex_block_mask(d, "cpu"))
+    torch.testing.assert_close(flex_out.float(), dense_out.float(), rtol=0.05, atol=0.05)
