@@ -64,3 +64,17 @@ def test_shipped_configs_load():
     assert files, "configs/ has no example config"
     for f in files:
         load_config(TrainConfig, f).validate()
+
+
+def test_cli_reports_config_errors_in_one_line(tmp_path):
+    from typer.testing import CliRunner
+
+    from flashdraft.cli import app
+
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(f"run_dir: {tmp_path / 'run'}\ndata:\n  dataset: {tmp_path / 'missing'}\n")
+    runner = CliRunner()
+    bad_key = runner.invoke(app, ["train", str(cfg), "optim.lrr=1"])
+    assert bad_key.exit_code == 1 and "did you mean 'lr'" in bad_key.output
+    no_ckpt = runner.invoke(app, ["train", str(cfg), "--resume"])
+    assert no_ckpt.exit_code == 1 and "has no complete checkpoint" in no_ckpt.output
