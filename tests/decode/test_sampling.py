@@ -160,3 +160,14 @@ def test_generate_sampling_is_seeded():
     ]
     assert runs[0] == runs[1]
     assert len({tuple(r) for r in runs[1:]}) > 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method, budget, params", [CONFIGS[0], CONFIGS[3]])
+def test_sampling_matches_ar_distribution_high_power(method, budget, params):
+    """2000 samples: enough to catch a subtle bias (a verify temperature 15% too low gave p < 1e-10 when tried)."""
+    target = peaked_target()
+    inner = tiny_drafter(target, layers=1, block_size=BLOCK)
+    seqs, acc = sample_many(target, inner, method, budget, params, 2000, {})
+    p = chi_square_p(seqs, exact_distribution(target, PROMPT, params))
+    assert p > 1e-3, f"{method} budget={budget} {params}: chi-square p = {p:.2e}, acceptance {dict(acc)}"
