@@ -96,29 +96,29 @@ def build_tree_device(draft_logits: torch.Tensor, plan: TreePlan) -> DeviceTree:
     node). Scores are float64 sums of float32 log-softmax values, root first — bit-identical to
     the heap's Python floats. No host sync, fixed shapes: capturable in a CUDA graph.
     """
-    n, num_slots = plan.budget, plan.num_slots
+    n = plan.budget
+    num_slots = min(plan.num_slots, n)  # a depth-d node needs d nodes on its path: d <= budget
     device = draft_logits.device
-    logp = torch.log_softmax(draft_logits.float(), dim=-1)  # [L, V] as build_tree computes it
+    logp = torch.log_softmax(draft_logits[:num_slots].float(), dim=-1)  # [L, V] as build_tree computes it
     top_lp, top_ids = logp.topk(plan.k, dim=-1)  # [L, k] sorted descending (rank = column)
     lq = top_lp.double()  # [L, k]
     scores = torch.full((num_slots, n), float("-inf"), dtype=torch.float64, device=device)  # per-depth lists
-    ranks = torch.zeros(num_slots, n, dtype=torch.long, device=device)  # token rank t per entry
-    parent_pos = torch.zeros(num_slots, n, dtype=torch.long, device=device)  # r per entry (depth 1: unused)
+    chosen = torch.zeros(num_slots, n, dtype=torch.long, device=device)  # depth >= 2: index into the pairs
     scores[0, : plan.k] = lq[0] + 0.0  # depth 1: the slot's top tokens, already in (score, rank) order
-    ranks[0, : plan.k] = torch.arange(plan.k, device=device)
-    for d in range(1, num_slots):
+    for d in range(1, num_slots):  # few kernels per depth: this loop is most of the build's time
         cand = scores[d - 1, plan.pair_r] + lq[d, plan.pair_t]  # [M] parent score + token log-prob
-        order = torch.sort(cand, descending=True, stable=True).indices[:n]  # [n]
-        scores[d] = cand[order]
-        ranks[d] = plan.pair_t[order]
-        parent_pos[d] = plan.pair_r[order]
+        best = torch.sort(cand, descending=True, stable=True)
+        scores[d] = best.values[:n]
+        chosen[d] = best.indices[:n]
     flat = torch.sort(scores.view(-1), descending=True, stable=True).indices[:n]  # [n] flat = depth·n + pos
     depth0 = flat // n  # [n] 0-based depth
+    pair = chosen.view(-1)[flat]  # [n] (meaningless at depth 1)
+    rank = torch.where(depth0 == 0, flat, plan.pair_t[pair])  # token rank in its slot (depth 1: pos)
     node_of_flat = torch.zeros(num_slots * n, dtype=torch.long, device=device)
     node_of_flat[flat] = torch.arange(1, n + 1, device=device)  # 1-based node index of each selected entry
-    parent_flat = (depth0 - 1).clamp(min=0) * n + parent_pos.view(-1)[flat]
+    parent_flat = (depth0 - 1).clamp(min=0) * n + plan.pair_r[pair]
     parents = torch.where(depth0 == 0, torch.zeros_like(flat), node_of_flat[parent_flat])  # [n]
-    tokens = top_ids[depth0, ranks.view(-1)[flat]]  # [n]
+    tokens = top_ids[depth0, rank]  # [n]
     zero = torch.zeros(1, dtype=torch.long, device=device)
     return DeviceTree(
         tokens=tokens,
@@ -308,7 +308,9 @@ class FastEngine:
         tree = build_tree_device(self.draft_logits, t["plan"])
         t["parents"].copy_(tree.parents)
         t["depths"].copy_(tree.depths)
-        vis = visibility_device(tree.parents, self.block)  # [N+1, N+1]; depth ≤ B−1
+        vis = visibility_device(
+            tree.parents, min(self.block, budget + 1)
+        )  # [N+1, N+1]; depth ≤ B−1, ≤ budget
         b["tokens"].copy_(torch.cat([self.bonus, tree.tokens]))
         b["positions"].copy_(self.seq_len + tree.depths)
         b["rows"].copy_(self.seq_len + torch.arange(budget + 1, device=self.device))
@@ -361,17 +363,18 @@ class FastEngine:
         # a node is accepted when its token is the target's choice after its parent, all the way up
         ok = tokens == choice[parents]  # [N+1]; the root compares its own token: forced True below
         ok[:1].fill_(True)
+        hops = min(self.block - 1, budget)  # the deepest node is at depth <= min(B − 1, budget)
         acc, cur = ok.clone(), parents
-        for _ in range(self.block - 1):
+        for _ in range(hops):
             acc &= ok[cur]
             cur = parents[cur]
         # children of a node carry distinct tokens, so the accepted nodes form one path
         last = (depths * acc).argmax().view(1)  # the deepest accepted node ([1]: 0-d indices sync)
         accepted = depths[last]  # [1]
         anc = [last]  # anc[j] = j-th ancestor of `last`
-        for _ in range(self.block - 1):
+        for _ in range(hops):
             anc.append(parents[anc[-1]])
-        anc_t = torch.cat(anc)  # [B]
+        anc_t = torch.cat(anc)  # [hops + 1]
         path = anc_t[(accepted - self.block_ar).clamp(min=0)]  # [B] root first, padded with `last`
         nxt = path[(self.block_ar + 1).clamp(max=self.block - 1)]
         committed = torch.where(self.block_ar == accepted, choice[last], tokens[nxt])  # [B]
