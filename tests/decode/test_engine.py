@@ -267,3 +267,38 @@ def test_cuda_graphs_equal_eager_on_gpu():
         a = graphs.generate([5, 9, 11], max_new_tokens=40, method=method, budget=budget)
         b = eager.generate([5, 9, 11], max_new_tokens=40, method=method, budget=budget)
         _same(a, b, method)
+
+
+def test_phases_never_read_the_host():
+    """A CUDA graph cannot hold a host read: no `.item()`-like op (incl. 0-d tensor indexing) in any phase."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from flashdraft.decode import engine as engine_mod
+
+    class Watch(TorchDispatchMode):
+        reads = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if func is torch.ops.aten._local_scalar_dense.default:
+                Watch.reads += 1
+            return func(*args, **(kwargs or {}))
+
+    target = tiny_target("qwen3", layers=2)
+    drafter = tiny_drafter(target, layers=1, block_size=BLOCK)
+    engine = FastEngine(target, drafter, max_len=48, max_budget=16)
+    plain = engine_mod._Phase.__call__
+
+    def watched(self) -> None:  # type: ignore[no-untyped-def]
+        with Watch():
+            plain(self)
+
+    engine_mod._Phase.__call__ = watched
+    try:
+        for method, budget in [("ar", None), ("chain", None), ("ddtree", 16)]:
+            res = engine.generate(
+                [5, 6, 7], max_new_tokens=10, method=method, budget=budget, temperature=0.5, seed=0
+            )
+            assert res.rounds > 0
+    finally:
+        engine_mod._Phase.__call__ = plain
+    assert Watch.reads == 0
