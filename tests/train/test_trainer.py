@@ -19,7 +19,7 @@ from flashdraft.drafter import DFlashDrafter
 from flashdraft.train import trainer as trainer_mod
 from flashdraft.train.checkpoint import latest_checkpoint, list_checkpoints, prune_checkpoints
 from flashdraft.train.config import TrainConfig
-from flashdraft.train.launch import build_drafter
+from flashdraft.train.launch import build_drafter, train
 from flashdraft.train.metrics import read_metrics
 from flashdraft.train.source import InProcessSource
 from flashdraft.train.trainer import LRSchedule, Trainer, TrainingError
@@ -199,8 +199,14 @@ def _cli(cfg: Path, run: Path, *extra: str) -> list[str]:
 def test_exact_resume_after_sigkill(tmp_path):
     cfg = _write_run_inputs(tmp_path)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    full = subprocess.run(_cli(cfg, tmp_path / "full"), cwd=REPO, env=env, capture_output=True, text=True)
-    assert full.returncode == 0, full.stderr[-2000:]
+    # the uninterrupted reference runs in this process (one thread, like the subprocesses)
+    threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    torch.set_num_threads(1)
+    try:
+        train(load_config(TrainConfig, cfg, [f"run_dir={tmp_path / 'full'}"]), command="reference")
+    finally:
+        torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(deterministic)
     proc = subprocess.Popen(_cli(cfg, tmp_path / "cut"), cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
     while time.time() < deadline and proc.poll() is None:
