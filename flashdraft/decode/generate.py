@@ -211,11 +211,12 @@ def generate(
     assert out.logits is not None
     first = choose_tokens(out.logits[0, -1], params, generator).view(1)  # [1]
     first_tok = int(first.item())  # host read
+    drafter_cache = (
+        DrafterCache.empty(drafter.config.num_hidden_layers) if use_drafter and drafter is not None else None
+    )
     state = _State(
         target_cache=target_cache,
-        drafter_cache=DrafterCache.empty(drafter.config.num_hidden_layers)
-        if use_drafter and drafter
-        else None,
+        drafter_cache=drafter_cache,
         pending=out.features,
         bonus=first,
         position=prompt_len,
@@ -295,6 +296,7 @@ def _ar_round(
     nxt = choose_tokens(out.logits[0, -1], params, generator).view(1)  # [1]
     tok = int(nxt.item())  # host read, once per round
     state.bonus, state.position = nxt, state.position + 1
+    _sync(target.device, sync_timings)
     timings.verify_s += time.perf_counter() - t0
     return [tok]
 
