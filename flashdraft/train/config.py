@@ -72,6 +72,9 @@ class RuntimeConfig:
     deterministic: bool = False  # torch.use_deterministic_algorithms; CPU runs are reproducible either way
     compile: bool = True  # torch.compile the drafter on CUDA (compiled FlexAttention); ignored on CPU
     attention: str = "auto"  # auto: flex on CUDA, dense bool mask on CPU; or "flex" / "dense"
+    # where the target (the feature producer) runs: "same" = the drafter's device, "cuda:1", or one
+    # device per local rank under torchrun, comma-separated ("cuda:4,cuda:5,cuda:6,cuda:7")
+    target_device: str = "same"
 
 
 @dataclass
@@ -82,11 +85,31 @@ class CheckpointConfig:
 
 
 @dataclass
+class PipelineConfig:
+    """Where features come from (flashdraft/train/pipeline.py, flashdraft/train/features.py)."""
+
+    mode: str = "online"  # online: the target computes features during training; offline: read features_dir
+    features_dir: str = ""  # offline: a `flashdraft features dump` folder (~5.8 KB per token)
+    queue_depth: int = 4  # feature batches computed ahead in a background thread; 0 = inline, no thread
+    starve_threshold: float = 0.05  # warn when the trainer waits for features more than this fraction ...
+    starve_window: int = 50  # ... of the time over the last this-many micro-batches
+
+
+@dataclass
+class DistributedConfig:
+    """Data parallelism under torchrun (flashdraft/train/distributed.py); ignored in one process."""
+
+    strategy: str = "ddp"  # ddp (replicated drafter) or fsdp2 (sharded drafter, torch fully_shard)
+    backend: str = "auto"  # auto: nccl on CUDA, gloo on CPU
+
+
+@dataclass
 class TelemetryConfig:
     log_every: int = 10  # steps per logged line: metrics are read off the device once per interval
     tensorboard: bool = True
     wandb_project: str | None = None  # Weights & Biases when set (needs `wandb`; never required)
     progress: bool = True  # a tqdm bar on stderr
+    gpu: bool = True  # on CUDA: NVML (util, power, temperature) and allocator stats in every line
 
 
 @dataclass
@@ -99,6 +122,8 @@ class TrainConfig:
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
     def validate(self) -> None:
         """Field-level checks that do not need the target (check_pair covers the rest)."""
@@ -141,3 +166,16 @@ class TrainConfig:
             raise ConfigError("checkpoint.every and checkpoint.keep_last must be >= 1")
         if self.telemetry.log_every < 1:
             raise ConfigError(f"telemetry.log_every {self.telemetry.log_every} must be >= 1")
+        p = self.pipeline
+        if p.mode not in ("online", "offline"):
+            raise ConfigError(f"pipeline.mode {p.mode!r}: use online or offline")
+        if p.mode == "offline" and not p.features_dir:
+            raise ConfigError(
+                "pipeline.mode=offline needs pipeline.features_dir (write one with `flashdraft features dump`)"
+            )
+        if p.queue_depth < 0 or p.starve_window < 1 or not 0 <= p.starve_threshold <= 1:
+            raise ConfigError("pipeline: queue_depth >= 0, starve_window >= 1, 0 <= starve_threshold <= 1")
+        if self.distributed.strategy not in ("ddp", "fsdp2"):
+            raise ConfigError(f"distributed.strategy {self.distributed.strategy!r}: use ddp or fsdp2")
+        if self.distributed.backend not in ("auto", "nccl", "gloo"):
+            raise ConfigError(f"distributed.backend {self.distributed.backend!r}: use auto, nccl or gloo")

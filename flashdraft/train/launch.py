@@ -20,8 +20,9 @@ import torch
 from flashdraft.config import ConfigError, save_config, to_dict
 from flashdraft.train.checkpoint import latest_checkpoint, list_checkpoints
 from flashdraft.train.config import TrainConfig
-from flashdraft.train.metrics import MetricsLogger
-from flashdraft.train.source import InProcessSource
+from flashdraft.train.distributed import DistributedTrainer, init_distributed, shutdown, wrap_drafter
+from flashdraft.train.pipeline import FrozenHeads, build_source, resolve_target_device
+from flashdraft.train.telemetry import GpuStats, TelemetryLogger
 from flashdraft.train.trainer import Trainer, TrainResult
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
@@ -136,44 +137,68 @@ def train(
     elif not cfg.data.dataset:
         cfg.data.dataset = "<in-memory>"
         cfg.validate()
-    device = resolve_device(cfg)
-    prec = resolve_precision(cfg, device)
-    if cfg.runtime.deterministic:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True)
-    run = prepare_run_dir(cfg, resume, command)
-    if target is None:
-        from flashdraft.target import load_target
+    ctx = init_distributed(cfg.distributed.backend, cfg.runtime.device)  # torchrun: one rank per process
+    try:
+        device = ctx.device if ctx.device is not None else resolve_device(cfg)
+        prec = resolve_precision(cfg, device)
+        if cfg.runtime.deterministic:
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.use_deterministic_algorithms(True)
+        if ctx.is_main:
+            run = prepare_run_dir(cfg, resume, command)
+        ctx.barrier()
+        run = Path(cfg.run_dir)
+        try:
+            target_device = resolve_target_device(cfg.runtime.target_device, device, ctx.local_rank)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if cfg.pipeline.mode == "offline":
+            target_device = device  # only the frozen embedding and head are used
+        if target is None:
+            from flashdraft.target import load_target
 
-        target = load_target(cfg.model.target, dtype=prec.target, device=device)
-    drafter = build_drafter(cfg, target, device, prec.params)
-    if samples is None:
-        samples, lengths = open_samples(cfg)
-    else:
-        lengths = [len(s.input_ids) for s in samples]
-    source = InProcessSource(
-        samples, target, drafter.config.target_layer_ids,
-        max_length=cfg.data.max_length, token_budget=cfg.data.token_budget,
-        epochs=None if cfg.optim.max_steps is not None else cfg.optim.epochs,
-        seed=cfg.runtime.seed, shuffle=cfg.data.shuffle, pad_multiple=cfg.data.pad_multiple, lengths=lengths,
-    )  # fmt: skip
-    attention = cfg.runtime.attention
-    if attention == "auto":
-        attention = "flex" if device.type == "cuda" else "dense"
-    model: Any = drafter
-    if cfg.runtime.compile and device.type == "cuda":
-        model = torch.compile(drafter)  # compiles flex_attention with it; eager flex is slow on GPU
-    logger = MetricsLogger(
-        run, tensorboard=cfg.telemetry.tensorboard, wandb_project=cfg.telemetry.wandb_project,
-        config=to_dict(cfg),
-    )  # fmt: skip
-    trainer = Trainer(
-        cfg, target, drafter, source, run_dir=run, model=model, logger=logger, device=device,
-        compute_dtype=prec.compute, attention=attention, on_step_end=on_step_end,
-    )  # fmt: skip
-    if resume:
-        ckpt = latest_checkpoint(run)
-        assert ckpt is not None
-        trainer.restore(ckpt)
-        print(f"resumed from {ckpt} (step {trainer.step})", file=sys.stderr)
-    return trainer.run()
+            target = load_target(cfg.model.target, dtype=prec.target, device=target_device)
+        drafter = build_drafter(cfg, target, device, prec.params)
+        if samples is None:
+            samples, lengths = open_samples(cfg)
+        else:
+            lengths = [len(s.input_ids) for s in samples]
+        layer_ids = drafter.config.target_layer_ids
+        try:
+            source = build_source(
+                cfg, samples, lengths, target, layer_ids, device, rank=ctx.rank, world_size=ctx.world_size
+            )
+        except ValueError as e:  # FeaturesError: a dump that does not fit this run
+            raise ConfigError(str(e)) from None
+        # the drafter step reads the target's embedding and head on the drafter's device
+        heads: Any = target if torch.device(target.device) == device else FrozenHeads(target, device)
+        attention = cfg.runtime.attention
+        if attention == "auto":
+            attention = "flex" if device.type == "cuda" else "dense"
+        model: Any = wrap_drafter(drafter, cfg.distributed.strategy, ctx)  # before the optimizer (FSDP2)
+        if cfg.runtime.compile and device.type == "cuda":
+            model = torch.compile(model)  # compiles flex_attention with it; eager flex is slow on GPU
+        providers: list[Any] = [source.take_stats]
+        if cfg.telemetry.gpu and device.type == "cuda" and ctx.is_main:
+            providers.append(GpuStats(device))
+        logger = TelemetryLogger(
+            run, providers=providers, tensorboard=cfg.telemetry.tensorboard,
+            wandb_project=cfg.telemetry.wandb_project, config=to_dict(cfg), enabled=ctx.is_main,
+        )  # fmt: skip
+        kw: dict[str, Any] = dict(
+            run_dir=run, model=model, logger=logger, device=device, compute_dtype=prec.compute,
+            attention=attention, on_step_end=on_step_end,
+        )  # fmt: skip
+        if ctx.active:
+            trainer: Trainer = DistributedTrainer(cfg, heads, drafter, source, ctx=ctx, **kw)
+        else:
+            trainer = Trainer(cfg, heads, drafter, source, **kw)
+        if resume:
+            ckpt = latest_checkpoint(run)
+            assert ckpt is not None
+            trainer.restore(ckpt)
+            if ctx.is_main:
+                print(f"resumed from {ckpt} (step {trainer.step})", file=sys.stderr)
+        return trainer.run()
+    finally:
+        shutdown(ctx)

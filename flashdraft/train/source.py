@@ -92,7 +92,10 @@ class InProcessSource:
             n = len(self.lengths)
             order = np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle else np.arange(n)
             plans = plan_micro_batches(self.lengths[order], self.max_length, self.token_budget)
-            self._plan_cache = (epoch, plans[self.rank :: self.world_size], order)
+            # every rank gets the same number of micro-batches (ranks step in lockstep): the last
+            # len % world_size micro-batches of an epoch are dropped in data-parallel runs
+            usable = len(plans) - len(plans) % self.world_size
+            self._plan_cache = (epoch, plans[self.rank : usable : self.world_size], order)
         return self._plan_cache[1], self._plan_cache[2]
 
     def micro_batches_per_epoch(self) -> int:
@@ -114,9 +117,13 @@ class InProcessSource:
             while self._position < len(plans):
                 plan = plans[self._position]
                 self._position += 1  # the state names the next batch once this one is handed out
-                rows = [[self.samples[int(order[i])] for i in row] for row in plan.rows]
-                yield compute_features(
-                    self.target, pack_rows(rows, self.max_length, self.pad_multiple), self.layer_ids
-                )
+                yield self.features([[int(order[i]) for i in row] for row in plan.rows])
             self._epoch += 1
             self._position = 0
+
+    def features(self, rows: list[list[int]]) -> FeatureBatch:
+        """One micro-batch: rows of sample indices → packed tokens + the target's features.
+        (An offline source overrides this to read the features from disk.)"""
+        docs = [[self.samples[i] for i in row] for row in rows]
+        tokens = pack_rows(docs, self.max_length, self.pad_multiple)
+        return compute_features(self.target, tokens, self.layer_ids)

@@ -306,7 +306,7 @@ class Trainer:
             self.tokens_seen += fb.num_tokens
             self.anchors_seen += int(d_cpu.valid.sum())
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip, foreach=True).double()
+        grad_norm = self._clip_grad_norm(params).double()
         step_loss = step_ce / float(denom)
         bad = ~(torch.isfinite(grad_norm) & torch.isfinite(step_loss))
         # a non-finite step is skipped on the device: fused AdamW leaves weights and moments alone
@@ -323,6 +323,10 @@ class Trainer:
         interval.steps += 1
         self._lr = lr
         return drafts_cpu
+
+    def _clip_grad_norm(self, params: list[torch.Tensor]) -> torch.Tensor:
+        """Clip to optim.grad_clip; the total norm (a hook: FSDP2 returns it as a DTensor)."""
+        return torch.nn.utils.clip_grad_norm_(params, self.cfg.optim.grad_clip, foreach=True)
 
     def _log(self, iv: Interval, bar: Any) -> dict[str, Any]:
         """Read the interval's device sums (the one host sync), log them, apply the NaN guard."""

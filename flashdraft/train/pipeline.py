@@ -1,0 +1,335 @@
+"""The online pipeline: a producer thread runs the target ahead of the trainer into a bounded queue.
+
+    flashdraft train cfg.yaml pipeline.queue_depth=4 runtime.target_device=cuda:0 runtime.device=cuda:1
+
+    source = QueuedSource(InProcessSource(...), depth=4, device=drafter_device)
+    for fb in source: ...                # FeatureBatch, features already on `device`
+    source.take_stats()                  # {"pipeline/queue_depth": .., "pipeline/consumer_wait_frac": .., ...}
+
+The producer iterates the inner source (which runs the target, or reads features from disk)
+in a background thread; CUDA kernels and CPU torch ops release the GIL, so it overlaps with
+the drafter step. On CUDA it works on its own stream; a batch is put on the queue only after
+its features (moved to the trainer's device with a non-blocking copy) are complete, and the
+consumer marks them used on its own stream, so the caching allocator cannot hand their memory
+back to the producer while the drafter still reads them.
+
+Resume: the producer runs ahead, so what it has produced is not what the trainer has used.
+Every queued batch carries the inner source's position right after it; `state_dict()` returns
+the position after the last batch the consumer took, and a restored source restarts the
+producer from there (queued but unused batches are recomputed, never skipped).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import copy
+import queue
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from flashdraft.train.batch import FeatureBatch
+from flashdraft.train.source import FeatureSource
+
+
+@dataclass
+class _Item:
+    batch: FeatureBatch
+    state: dict[str, Any]  # the inner source's position right after this batch
+    produce_s: float  # producer wall time for this batch (target pass or disk read, and the hand-off)
+    event: Any = None  # torch.cuda.Event recorded after the features were ready (CUDA only)
+
+
+@dataclass
+class _Error:
+    exc: BaseException
+
+
+_END = object()
+
+
+class _Interval:
+    """Consumer-side sums between two `take_stats` calls."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.batches = 0
+        self.wait_s = 0.0
+        self.produce_s = 0.0
+        self.depth_sum = 0
+
+
+class QueuedSource:
+    """A FeatureSource that runs `inner` in a background thread, `depth` batches ahead.
+
+    depth = 0: no thread; the inner source runs inline and its time counts as consumer wait.
+    """
+
+    def __init__(
+        self,
+        inner: FeatureSource,
+        *,
+        depth: int = 4,
+        device: torch.device | str | None = None,  # the trainer's device (None: features stay put)
+        starve_threshold: float = 0.05,
+        starve_window: int = 50,  # micro-batches
+    ) -> None:
+        self.inner = inner
+        self.depth = int(depth)
+        self.device = torch.device(device) if device is not None else None
+        self.starve_threshold, self.starve_window = starve_threshold, starve_window
+        self._state = copy.deepcopy(inner.state_dict())
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=max(1, self.depth))
+        self._interval = _Interval()
+        self._window: collections.deque[tuple[float, float]] = collections.deque(maxlen=starve_window)
+        self._last_get: float | None = None  # end of the previous pull (None: nothing pulled yet)
+        self.startup_wait_s = 0.0  # the first pull waits for the first target pass: not starvation
+
+    # ------------------------------------------------------------------ FeatureSource
+
+    @property
+    def epoch(self) -> int:
+        return int(self._state["epoch"])
+
+    def micro_batches_per_epoch(self) -> int:
+        return self.inner.micro_batches_per_epoch()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position after the last batch the consumer took (not where the producer is)."""
+        return copy.deepcopy(self._state)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self._thread is not None:
+            raise RuntimeError(
+                "QueuedSource.load_state_dict while the producer runs: restore before iterating"
+            )
+        self.inner.load_state_dict(state)
+        self._state = copy.deepcopy(self.inner.state_dict())
+
+    def __iter__(self) -> Iterator[FeatureBatch]:
+        if self.depth == 0:
+            yield from self._inline()
+            return
+        if self._thread is not None:
+            raise RuntimeError("QueuedSource can be iterated once (one producer thread)")
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._produce, name="flashdraft-producer", daemon=True)
+        self._thread.start()
+        try:
+            while True:
+                t0 = time.perf_counter()
+                depth = self._queue.qsize()
+                item = self._queue.get()
+                t1 = time.perf_counter()
+                if item is _END:
+                    return
+                if isinstance(item, _Error):
+                    raise item.exc
+                self._consumed(item, wait=t1 - t0, depth=depth, now=t1)
+                yield self._ready(item)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Stop the producer (idempotent); queued batches are dropped (the state does not include them)."""
+        self._stop.set()
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            while thread.is_alive():
+                with contextlib.suppress(queue.Empty):
+                    self._queue.get_nowait()  # unblock a producer waiting on a full queue
+                thread.join(timeout=0.05)
+        self._queue = queue.Queue(maxsize=max(1, self.depth))
+
+    # ------------------------------------------------------------------ producer
+
+    def _produce(self) -> None:
+        stream = None
+        if self.device is not None and self.device.type == "cuda":
+            stream = torch.cuda.Stream(device=self.device)
+        try:
+            ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+            with ctx:
+                it = iter(self.inner)
+                while not self._stop.is_set():
+                    t0 = time.perf_counter()
+                    fb = next(it, None)
+                    if fb is None:
+                        break
+                    state = copy.deepcopy(self.inner.state_dict())  # right after this batch
+                    fb = self._hand_off(fb)
+                    event = None
+                    if stream is not None:
+                        event = torch.cuda.Event()
+                        event.record(stream)
+                        event.synchronize()  # blocks this thread only: honest producer time, bounded work in flight
+                    item = _Item(fb, state, time.perf_counter() - t0, event)
+                    if not self._put(item):
+                        return
+            self._put(_END)
+        except BaseException as e:  # noqa: BLE001 — re-raised in the consumer
+            self._put(_Error(e))
+
+    def _put(self, item: Any) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _hand_off(self, fb: FeatureBatch) -> FeatureBatch:
+        """Move the features to the trainer's device (async; pinned when coming from the CPU)."""
+        if self.device is None or fb.features.device == self.device:
+            return fb
+        f = fb.features
+        if self.device.type == "cuda" and f.device.type == "cpu":
+            f = f.pin_memory()
+        fb.features = f.to(self.device, non_blocking=True)
+        return fb
+
+    # ------------------------------------------------------------------ consumer
+
+    def _ready(self, item: _Item) -> FeatureBatch:
+        fb = item.batch
+        if item.event is not None and fb.features.device.type == "cuda":
+            consumer = torch.cuda.current_stream(fb.features.device)
+            consumer.wait_event(item.event)
+            fb.features.record_stream(consumer)  # memory stays reserved until the consumer's work is done
+        return fb
+
+    def _consumed(self, item: _Item, *, wait: float, depth: int, now: float) -> None:
+        self._state = item.state
+        iv = self._interval
+        if self._last_get is None:
+            self.startup_wait_s = wait
+        else:
+            self._window.append((wait, now - self._last_get))
+            iv.wait_s += wait
+        self._last_get = now
+        iv.batches += 1
+        iv.produce_s += item.produce_s
+        iv.depth_sum += depth
+
+    def _inline(self) -> Iterator[FeatureBatch]:
+        it = iter(self.inner)
+        while True:
+            t0 = time.perf_counter()
+            fb = next(it, None)
+            if fb is None:
+                return
+            fb = self._hand_off(fb)
+            t1 = time.perf_counter()
+            self._consumed(
+                _Item(fb, copy.deepcopy(self.inner.state_dict()), t1 - t0), wait=t1 - t0, depth=0, now=t1
+            )
+            yield fb
+
+    # ------------------------------------------------------------------ metrics
+
+    def window_wait_fraction(self) -> float:
+        """Consumer wait / wall time over the last `starve_window` micro-batches (startup excluded)."""
+        total = sum(c for _, c in self._window)
+        return sum(w for w, _ in self._window) / total if total > 0 else 0.0
+
+    def take_stats(self) -> dict[str, float]:
+        """Pipeline metrics since the previous call (host floats); warns loudly when the trainer starves."""
+        iv, self._interval = self._interval, _Interval()
+        elapsed = max(time.perf_counter() - iv.start, 1e-9)
+        n = max(iv.batches, 1)
+        window = self.window_wait_fraction()
+        stats = {
+            "pipeline/queue_depth": iv.depth_sum / n,  # batches ready when the trainer asked (mean)
+            "pipeline/queue_capacity": float(self.depth),
+            "pipeline/producer_s_per_batch": iv.produce_s / n,
+            "pipeline/consumer_wait_s": iv.wait_s,
+            "pipeline/consumer_wait_frac": min(1.0, iv.wait_s / elapsed),
+            "pipeline/consumer_wait_frac_window": window,
+        }
+        if len(self._window) >= min(self.starve_window, 2) and window > self.starve_threshold:
+            print(
+                f"WARNING: trainer starved: it waited for features {window:.1%} of the time over the last "
+                f"{len(self._window)} micro-batches (threshold {self.starve_threshold:.0%}); producer "
+                f"{stats['pipeline/producer_s_per_batch']:.3f} s/batch. Raise pipeline.queue_depth, put the "
+                "target on its own GPU (runtime.target_device), or use pipeline.mode=offline",
+                file=sys.stderr,
+            )
+        return stats
+
+
+# ----------------------------------------------------------------------------- assembly (launch.py)
+
+
+class FrozenHeads:
+    """The target's frozen embedding and lm_head, copied onto the trainer's device.
+
+    The drafter step reads only these two from the target; when the target runs on another
+    device (runtime.target_device), the trainer gets this instead of the target.
+    """
+
+    def __init__(self, target: Any, device: torch.device) -> None:
+        self.embed_tokens = copy.deepcopy(target.embed_tokens).to(device).requires_grad_(False)
+        self.lm_head = copy.deepcopy(target.lm_head).to(device).requires_grad_(False)
+        self.device = device
+        self.dtype = target.dtype
+
+
+def resolve_target_device(spec: str, drafter_device: torch.device, local_rank: int = 0) -> torch.device:
+    """runtime.target_device: "same", "cuda:1", or one device per local rank ("cuda:4,cuda:5")."""
+    if spec == "same":
+        return drafter_device
+    devices = [s.strip() for s in spec.split(",") if s.strip()]
+    if len(devices) > 1 and local_rank >= len(devices):
+        raise ValueError(
+            f"runtime.target_device lists {len(devices)} devices but this is local rank {local_rank}: "
+            "give one device per rank (or one for all)"
+        )
+    dev = torch.device(devices[local_rank] if len(devices) > 1 else devices[0])
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"runtime.target_device={spec!r} but CUDA is not available: use runtime.target_device=same"
+        )
+    return dev
+
+
+def build_source(
+    cfg: Any,  # TrainConfig
+    samples: Any,
+    lengths: list[int],
+    target: Any,  # TargetModel, or None in offline mode
+    layer_ids: list[int],
+    device: torch.device,  # the trainer's device
+    *,
+    rank: int = 0,
+    world_size: int = 1,
+) -> QueuedSource:
+    """The trainer's FeatureSource for pipeline.mode (online: target passes; offline: a dump)."""
+    from flashdraft.train.source import InProcessSource
+
+    kw = dict(
+        max_length=cfg.data.max_length, token_budget=cfg.data.token_budget,
+        epochs=None if cfg.optim.max_steps is not None else cfg.optim.epochs, seed=cfg.runtime.seed,
+        shuffle=cfg.data.shuffle, pad_multiple=cfg.data.pad_multiple, lengths=lengths, rank=rank,
+        world_size=world_size,
+    )  # fmt: skip
+    p = cfg.pipeline
+    inner: Any
+    if p.mode == "offline":
+        from flashdraft.train.features import FeatureStore, OfflineSource
+
+        inner = OfflineSource(samples, FeatureStore(p.features_dir), layer_ids, **kw)
+    else:
+        inner = InProcessSource(samples, target, layer_ids, **kw)
+    return QueuedSource(
+        inner, depth=p.queue_depth, device=device, starve_threshold=p.starve_threshold,
+        starve_window=p.starve_window,
+    )  # fmt: skip

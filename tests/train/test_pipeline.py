@@ -1,0 +1,162 @@
+"""Online pipeline: queued batches equal inline ones, consumer-position resume, starvation metrics, errors."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from flashdraft.config import load_config
+from flashdraft.train.config import TrainConfig
+from flashdraft.train.launch import train
+from flashdraft.train.metrics import read_metrics
+from flashdraft.train.pipeline import FrozenHeads, QueuedSource, resolve_target_device
+from flashdraft.train.source import InProcessSource
+from tests.conftest import tiny_target
+from tests.train.helpers import fake_features, make_docs, token_batch
+
+DOCS = make_docs([40, 30, 20, 45, 25, 33, 38, 27, 41, 22], seed=3)
+
+
+def _source(target, epochs=2) -> InProcessSource:  # noqa: ANN001
+    return InProcessSource(DOCS, target, [1, 3, 4], max_length=48, token_budget=96, epochs=epochs, seed=5)
+
+
+def _same(a, b) -> bool:  # noqa: ANN001
+    return (
+        torch.equal(a.features, b.features)
+        and torch.equal(a.input_ids, b.input_ids)
+        and torch.equal(a.doc_ids, b.doc_ids)
+        and a.sample_ids == b.sample_ids
+    )
+
+
+@pytest.fixture(scope="module")
+def target():  # noqa: ANN201
+    return tiny_target("llama", dtype=torch.float32)
+
+
+def test_queued_batches_equal_inline_batches_across_epochs(target):
+    inline = list(_source(target))
+    q = QueuedSource(_source(target), depth=3)
+    queued = list(q)
+    assert len(queued) == len(inline) == 2 * _source(target).micro_batches_per_epoch()
+    assert all(_same(a, b) for a, b in zip(inline, queued, strict=True))
+    assert q.epoch == 1
+
+
+def test_state_is_the_consumers_position_and_resume_restarts_the_producer_there(target):
+    full = list(_source(target))
+    q = QueuedSource(_source(target), depth=4)
+    it = iter(q)
+    taken = [next(it) for _ in range(3)]
+    deadline = time.time() + 10
+    while q._queue.qsize() < 4 and time.time() < deadline:  # let the producer run ahead
+        time.sleep(0.01)
+    assert q._queue.qsize() == 4, "the producer did not run ahead"
+    ref = _source(target)
+    ref_it = iter(ref)
+    for _ in range(3):
+        next(ref_it)
+    assert q.state_dict() == ref.state_dict()  # 3 consumed, not 3 + 4 produced
+    state = q.state_dict()
+    it.close()  # stops the producer; queued batches are dropped
+    assert q._thread is None
+    resumed = QueuedSource(_source(target), depth=2)
+    resumed.load_state_dict(state)
+    rest = list(resumed)
+    assert all(_same(a, b) for a, b in zip(full[:3], taken, strict=True))
+    assert len(rest) == len(full) - 3
+    assert all(_same(a, b) for a, b in zip(full[3:], rest, strict=True))
+
+
+class _Slow:
+    """A fake inner source: `delay` seconds per batch (producer-bound), or an error at batch `fail_at`."""
+
+    def __init__(self, n: int, delay: float, fail_at: int | None = None) -> None:
+        self.n, self.delay, self.fail_at, self.i = n, delay, fail_at, 0
+        self.batch = fake_features(token_batch([[DOCS[0]]], 48))
+
+    @property
+    def epoch(self) -> int:
+        return 0
+
+    def micro_batches_per_epoch(self) -> int:
+        return self.n
+
+    def state_dict(self) -> dict:
+        return {"epoch": 0, "position": self.i}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.i = state["position"]
+
+    def __iter__(self):  # noqa: ANN204
+        while self.i < self.n:
+            time.sleep(self.delay)
+            self.i += 1
+            if self.i == self.fail_at:
+                raise RuntimeError("target pass failed")
+            yield self.batch
+
+
+def test_a_starved_consumer_is_measured_and_warned_about(capsys):
+    q = QueuedSource(_Slow(8, delay=0.05), depth=2, starve_window=5)
+    for _ in q:
+        time.sleep(0.001)  # the consumer is much faster than the producer
+    s = q.take_stats()
+    assert s["pipeline/consumer_wait_frac_window"] > 0.5
+    assert s["pipeline/consumer_wait_frac"] > 0.5
+    assert s["pipeline/producer_s_per_batch"] >= 0.05
+    assert "WARNING: trainer starved" in capsys.readouterr().err
+
+
+def test_a_fed_consumer_waits_little_and_sees_a_full_queue(capsys):
+    q = QueuedSource(_Slow(10, delay=0.0), depth=3, starve_window=5)
+    it = iter(q)
+    next(it)
+    time.sleep(0.2)  # producer fills the queue
+    q.take_stats()
+    for _ in it:
+        time.sleep(0.03)  # a slow drafter step: features are always ready
+    s = q.take_stats()
+    assert s["pipeline/consumer_wait_frac_window"] < 0.05
+    assert s["pipeline/queue_depth"] >= 1.0
+    assert s["pipeline/queue_capacity"] == 3.0
+    assert "starved" not in capsys.readouterr().err
+
+
+def test_producer_errors_reach_the_trainer():
+    with pytest.raises(RuntimeError, match="target pass failed"):
+        list(QueuedSource(_Slow(5, delay=0.0, fail_at=3), depth=2))
+
+
+def test_target_placement_and_frozen_heads(target):
+    cpu = torch.device("cpu")
+    assert resolve_target_device("same", cpu) == cpu
+    assert resolve_target_device("cpu", torch.device("meta")) == cpu
+    assert resolve_target_device("cpu,meta", cpu, local_rank=1) == torch.device("meta")
+    with pytest.raises(ValueError, match="one device per rank"):
+        resolve_target_device("cpu,meta", cpu, local_rank=2)
+    heads = FrozenHeads(target, cpu)
+    assert torch.equal(heads.lm_head.weight, target.lm_head.weight)
+    assert heads.lm_head.weight.data_ptr() != target.lm_head.weight.data_ptr()
+    assert not heads.embed_tokens.weight.requires_grad
+
+
+def test_training_losses_are_the_same_with_and_without_the_queue(tmp_path, target):
+    losses = {}
+    for depth in (0, 3):
+        cfg = load_config(
+            TrainConfig, None,
+            [f"run_dir={tmp_path / str(depth)}", "model.num_layers=1", "model.block_size=8", "data.max_length=48",
+             "data.token_budget=96", "data.max_anchors=6", "data.pad_multiple=1", "telemetry.log_every=1",
+             "telemetry.tensorboard=false", "telemetry.progress=false", "runtime.dtype=float32",
+             "optim.max_steps=6", "optim.grad_accum=2", f"pipeline.queue_depth={depth}"],
+        )  # fmt: skip
+        train(cfg, target=target, samples=DOCS)
+        m = read_metrics(tmp_path / str(depth))
+        losses[depth] = [r["loss"] for r in m]
+        for key in ("pipeline/queue_depth", "pipeline/consumer_wait_frac", "pipeline/producer_s_per_batch"):
+            assert key in m[-1], key
+    assert len(losses[0]) == 6 and losses[0] == losses[3]
