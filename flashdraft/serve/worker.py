@@ -140,11 +140,15 @@ class Engine:
         self._stopping = threading.Event()
         self.busy = False
         self._mean_job_seconds = 1.0  # running estimate, for Retry-After
+        # fast tokenizers raise "Already borrowed" when used from several threads at once
+        # (request handlers encode while the worker decodes): one lock around every use
+        self._tok_lock = threading.Lock()
 
     # -- prompts
 
     def decode(self, tokens: list[int]) -> str:
-        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+        with self._tok_lock:
+            return self.tokenizer.decode(tokens, skip_special_tokens=True)
 
     def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
@@ -152,15 +156,17 @@ class Engine:
                 "this target has no chat template: use /v1/completions", "messages", "no_chat_template"
             )
         try:
-            out = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=True, return_dict=True
-            )
+            with self._tok_lock:
+                out = self.tokenizer.apply_chat_template(
+                    messages, add_generation_prompt=True, tokenize=True, return_dict=True
+                )
         except Exception as e:  # jinja raises for orders/roles a template refuses
             raise invalid(f"the chat template cannot format these messages: {e}", "messages") from None
         return [int(t) for t in out["input_ids"]]
 
     def text_prompt(self, text: str) -> list[int]:
-        return [int(t) for t in self.tokenizer(text, add_special_tokens=False)["input_ids"]]
+        with self._tok_lock:
+            return [int(t) for t in self.tokenizer(text, add_special_tokens=False)["input_ids"]]
 
     def check_prompt(self, ids: list[int], params: SamplingParams) -> SamplingParams:
         """Bounds of the prompt ids and the context; returns params with max_tokens resolved."""

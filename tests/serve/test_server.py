@@ -9,6 +9,7 @@ test the queue bound (429), client disconnects, timeouts and crashes without rel
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -409,6 +410,25 @@ def test_client_disconnect_cancels_the_generation(side: Any) -> None:
     assert gate.results and gate.results[0].stop_reason == "cancelled"
     assert len(gate.results[0].tokens) < 200  # stopped long before max_tokens
     assert 'flashdraft_errors_total{kind="cancelled"} 1' in httpx.get(srv.url + "/metrics").text
+
+    # a non-streaming client that goes away mid-generation: the handler notices and cancels the job
+    gate.started.clear()
+    gate.release.clear()
+    raw = json.dumps({**body, "stream": False}).encode()
+    with socket.create_connection((srv.host, srv.port), timeout=30) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(raw)}\r\n\r\n".encode()
+            + raw
+        )
+        assert gate.started.wait(60)  # generating (held after the prefill) when the client leaves
+    time.sleep(1.0)  # > POLL_SECONDS: the handler has seen the disconnect
+    gate.release.set()
+    t_end = time.monotonic() + 60
+    while len(gate.results) < 2 and time.monotonic() < t_end:
+        time.sleep(0.05)
+    assert gate.results[1].stop_reason == "cancelled" and len(gate.results[1].tokens) == 1
+    assert 'flashdraft_errors_total{kind="cancelled"} 2' in httpx.get(srv.url + "/metrics").text
 
 
 def test_timeout_gives_504_and_worker_failure_gives_500(side: Any) -> None:
