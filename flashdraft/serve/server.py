@@ -53,7 +53,11 @@ def model_id_for(target: str) -> str:
 def resolve_drafter(option: str | None) -> str | None:
     """The drafter folder to load, or None for plain autoregressive decoding."""
     if option is None:
-        return str(SHIPPED_DRAFTER) if (SHIPPED_DRAFTER / "config.json").is_file() else None
+        # the repo checkout's copy, else one under the working directory (a non-editable install)
+        for folder in (SHIPPED_DRAFTER, Path.cwd() / "models" / SHIPPED_DRAFTER.name):
+            if (folder / "config.json").is_file():
+                return str(folder)
+        return None
     if option.lower() in ("none", "ar", ""):
         return None
     return option

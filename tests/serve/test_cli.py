@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from typer.testing import CliRunner
 
@@ -50,3 +51,20 @@ def test_export_command(tmp_path: Path) -> None:
     assert json.loads((tmp_path / "out" / "config.json").read_text())["dtype"] == "bfloat16"
     r = runner.invoke(app, ["export", str(tmp_path / "nothing"), "--to", str(tmp_path / "o2")])
     assert r.exit_code != 0 and "no such folder" in r.output
+
+
+def test_shipped_drafter_is_the_default_only_when_present(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from flashdraft.serve import server
+
+    shipped = tmp_path / "repo" / "models" / "smollm2-135m-instruct-dflash-b16"
+    monkeypatch.setattr(server, "SHIPPED_DRAFTER", shipped)
+    monkeypatch.chdir(tmp_path)
+    assert server.resolve_drafter(None) is None  # nothing shipped: plain AR
+    assert server.resolve_drafter("none") is None and server.resolve_drafter("x/d") == "x/d"
+    shipped.mkdir(parents=True)
+    (shipped / "config.json").write_text("{}")
+    assert server.resolve_drafter(None) == str(shipped)
+    assert server.model_id_for("default") == "smollm2-135m-instruct"
+    assert server.model_id_for("/m/Qwen3-8B/") == "Qwen3-8B" and server.model_id_for("a/b.gguf") == "b"

@@ -14,7 +14,6 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -447,12 +446,3 @@ def test_timeout_gives_504_and_worker_failure_gives_500(side: Any) -> None:
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
     text = httpx.get(srv.url + "/metrics").text
     assert 'kind="timeout"} 1' in text and 'kind="server_error"} 1' in text
-
-
-def test_shipped_drafter_default_is_optional() -> None:
-    from flashdraft.serve.server import SHIPPED_DRAFTER, resolve_drafter
-
-    assert resolve_drafter("none") is None and resolve_drafter("some/folder") == "some/folder"
-    expected = str(SHIPPED_DRAFTER) if (SHIPPED_DRAFTER / "config.json").is_file() else None
-    assert resolve_drafter(None) == expected
-    assert Path(SHIPPED_DRAFTER).name == "smollm2-135m-instruct-dflash-b16"
