@@ -1,0 +1,267 @@
+"""Run folders at a glance: list, handoff status (also written to RUN/STATUS.md), archive.
+
+    flashdraft runs list runs/
+    flashdraft runs status runs/smollm2-b16
+    flashdraft runs archive runs/smollm2-b16
+
+Everything is read from the run folder contract (flashdraft/train/checkpoint.py): config.yaml,
+command.txt, metrics.jsonl, checkpoints/step-*/trainer_state.json, eval/log.jsonl. Nothing
+here needs torch or the target, so it works on a machine that only has the folder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from flashdraft.train.checkpoint import STATE_JSON, list_checkpoints, step_of
+from flashdraft.train.metrics import read_metrics
+
+STATUS_FILE = "STATUS.md"
+STARVED = 0.05  # consumer wait fraction above which the queue is reported unhealthy (pipeline default)
+
+
+class RunError(ValueError):
+    pass
+
+
+@dataclass
+class CheckpointInfo:
+    path: Path
+    step: int
+    eval: dict[str, Any] | None  # the checkpoint's line in eval/log.jsonl, if evaluated
+
+
+@dataclass
+class RunSummary:
+    path: Path
+    config_digest: str
+    config: dict[str, Any]
+    command: str
+    step: int
+    total_steps: int | None
+    epoch: int | None
+    tokens_seen: int | None
+    last: dict[str, Any]  # the last metrics line
+    step_time_s: float | None  # mean over the last logged lines
+    tokens_per_s: float | None
+    checkpoints: list[CheckpointInfo] = field(default_factory=list)
+    last_eval: dict[str, Any] | None = None
+    updated: float | None = None  # unix time of the newest metrics line
+
+    @property
+    def eta_s(self) -> float | None:
+        if self.total_steps is None or self.step_time_s is None:
+            return None
+        return max(0, self.total_steps - self.step) * self.step_time_s
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    out = []
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # a line cut by a kill
+    return out
+
+
+def _read_config(run: Path) -> tuple[dict[str, Any], str]:
+    path = run / "config.yaml"
+    if not path.is_file():
+        return {}, "-"
+    import yaml
+
+    text = path.read_text()
+    try:
+        cfg = yaml.safe_load(text) or {}
+    except yaml.YAMLError:
+        cfg = {}
+    return cfg, hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def is_run(path: Path) -> bool:
+    return path.is_dir() and any((path / n).exists() for n in ("config.yaml", "metrics.jsonl", "checkpoints"))
+
+
+def summarize(run: str | os.PathLike[str]) -> RunSummary:
+    run = Path(run)
+    if not is_run(run):
+        raise RunError(f"{run}: not a run folder (no config.yaml, metrics.jsonl or checkpoints/)")
+    cfg, digest = _read_config(run)
+    metrics = read_metrics(run)
+    last = metrics[-1] if metrics else {}
+    recent = [m for m in metrics[-10:] if isinstance(m.get("step_time_s"), (int, float))]
+    step_time = sum(m["step_time_s"] for m in recent) / len(recent) if recent else None
+    tps = [m["tokens_per_s"] for m in metrics[-10:] if isinstance(m.get("tokens_per_s"), (int, float))]
+    evals = {int(e["step"]): e for e in _read_jsonl(run / "eval" / "log.jsonl") if "step" in e}
+    ckpts = [CheckpointInfo(p, step_of(p), evals.get(step_of(p))) for p in list_checkpoints(run)]
+    state: dict[str, Any] = {}
+    if ckpts:
+        try:
+            state = json.loads((ckpts[-1].path / STATE_JSON).read_text())
+        except (OSError, json.JSONDecodeError):
+            state = {}
+    optim = cfg.get("optim", {}) if isinstance(cfg, dict) else {}
+    total = state.get("total_steps") or optim.get("max_steps")
+    step = max(int(last.get("step", 0)), ckpts[-1].step if ckpts else 0)
+    command = (
+        (run / "command.txt").read_text().strip().splitlines() if (run / "command.txt").is_file() else []
+    )
+    return RunSummary(
+        path=run, config_digest=digest, config=cfg if isinstance(cfg, dict) else {},
+        command=command[-1] if command else "-", step=step, total_steps=int(total) if total else None,
+        epoch=last.get("epoch", state.get("epoch")), tokens_seen=last.get("tokens_seen", state.get("tokens_seen")),
+        last=last, step_time_s=step_time, tokens_per_s=sum(tps) / len(tps) if tps else None,
+        checkpoints=ckpts, last_eval=evals[max(evals)] if evals else None,
+        updated=last.get("time") if metrics else None,
+    )  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- formatting
+
+
+def _num(v: Any, fmt: str = ".3f") -> str:
+    if isinstance(v, (int, float)) and not (isinstance(v, float) and not math.isfinite(v)):
+        return format(v, fmt)
+    return "-" if v is None else str(v)
+
+
+def _duration(s: float | None) -> str:
+    if s is None:
+        return "-"
+    s = int(s)
+    if s < 120:
+        return f"{s}s"
+    if s < 7200:
+        return f"{s // 60}m"
+    if s < 172800:
+        return f"{s // 3600}h{(s % 3600) // 60:02d}m"
+    return f"{s // 86400}d"
+
+
+def _eval_tau(e: dict[str, Any] | None) -> str:
+    return _num(e.get("tau_chain"), ".2f") if e else "-"
+
+
+def queue_health(last: dict[str, Any]) -> str:
+    frac = last.get("pipeline/consumer_wait_frac_window", last.get("pipeline/consumer_wait_frac"))
+    if not isinstance(frac, (int, float)):
+        return "- (no pipeline metrics)"
+    verdict = "STARVED" if frac > STARVED else "ok"
+    return (
+        f"{verdict}: trainer waits {frac:.1%} of the time; queue {_num(last.get('pipeline/queue_depth'), '.1f')}"
+        f"/{_num(last.get('pipeline/queue_capacity'), '.0f')} ready; producer "
+        f"{_num(last.get('pipeline/producer_s_per_batch'), '.3f')} s/batch"
+    )
+
+
+def list_runs(root: str | os.PathLike[str]) -> list[str]:
+    """One line per run folder under `root` (or `root` itself if it is a run)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    runs = [root] if is_run(root) else sorted(p for p in root.iterdir() if is_run(p))
+    now = time.time()
+    lines = [f"{'run':<32} {'step':>12} {'loss':>8} {'τ proxy':>8} {'eval τ':>7} {'age':>7}"]
+    for p in runs:
+        try:
+            s = summarize(p)
+        except (RunError, OSError, ValueError) as e:
+            lines.append(f"{p.name:<32} unreadable: {e}")
+            continue
+        total = f"/{s.total_steps}" if s.total_steps else ""
+        age = _duration(now - s.updated) if s.updated else "-"
+        lines.append(
+            f"{p.name:<32} {str(s.step) + total:>12} {_num(s.last.get('loss')):>8} "
+            f"{_num(s.last.get('tau_proxy'), '.2f'):>8} {_eval_tau(s.last_eval):>7} {age:>7}"
+        )
+    return lines
+
+
+def status_markdown(s: RunSummary, now: float | None = None) -> str:
+    now = time.time() if now is None else now
+    cfg = s.config
+    model, data = cfg.get("model", {}) or {}, cfg.get("data", {}) or {}
+    last = s.last
+    lines = [
+        f"# Run status: {s.path.name}",
+        "",
+        f"_written {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(now))} by `flashdraft runs status`_",
+        "",
+        "## Config",
+        f"- folder: `{s.path}`",
+        f"- config digest: `{s.config_digest}` (sha256 of config.yaml)",
+        f"- target: `{model.get('target', '-')}`; drafter {model.get('num_layers', '-')} layers, "
+        f"block {model.get('block_size', '-')}; dataset `{data.get('dataset', '-')}`",
+        f"- pipeline: {(cfg.get('pipeline') or {}).get('mode', '-')}; "
+        f"distributed: {(cfg.get('distributed') or {}).get('strategy', '-')}",
+        f"- command: `{s.command}`",
+        "",
+        "## Progress",
+        f"- step {s.step}" + (f" of {s.total_steps} ({s.step / s.total_steps:.1%})" if s.total_steps else ""),
+        f"- epoch {_num(s.epoch, 'd') if isinstance(s.epoch, int) else _num(s.epoch)}; "
+        f"tokens seen {_num(s.tokens_seen, ',') if isinstance(s.tokens_seen, int) else _num(s.tokens_seen)}",
+        f"- last update {_duration(now - s.updated) + ' ago' if s.updated else '-'}",
+        f"- throughput {_num(s.tokens_per_s, ',.0f')} target tokens/s; {_num(s.step_time_s, '.3f')} s/step",
+        f"- ETA {_duration(s.eta_s)}",
+        "",
+        "## Last metrics (step " + str(last.get("step", "-")) + ")",
+        f"- loss {_num(last.get('loss'))}, acc {_num(last.get('acc'))}, τ proxy {_num(last.get('tau_proxy'), '.2f')} "
+        "(mean streak of correct slots + 1: a proxy, not a decoding τ)",
+        f"- lr {_num(last.get('lr'), '.2e')}, grad norm {_num(last.get('grad_norm'))}, "
+        f"skipped steps {last.get('skipped_steps', '-')}",
+        f"- queue: {queue_health(last)}",
+    ]
+    gpu = {k: v for k, v in last.items() if k.startswith(("cuda/", "gpu"))}
+    if gpu:
+        lines.append("- GPU: " + ", ".join(f"{k} {_num(v, '.2f')}" for k, v in sorted(gpu.items())))
+    lines += ["", "## Checkpoints", ""]
+    if s.checkpoints:
+        lines += ["| step | folder | eval τ (chain) | eval |", "|---:|---|---:|---|"]
+        for c in s.checkpoints:
+            ev = "-"
+            if c.eval:
+                ev = ", ".join(
+                    f"{k}={v}" for k, v in c.eval.items() if k not in ("step", "checkpoint", "tau_chain")
+                )
+                ev = ev[:120] or "-"
+            lines.append(f"| {c.step} | `{c.path.relative_to(s.path)}` | {_eval_tau(c.eval)} | {ev} |")
+    else:
+        lines.append("none yet")
+    if s.last_eval:
+        lines += ["", f"Last evaluated: step {s.last_eval.get('step')}, τ chain {_eval_tau(s.last_eval)}"]
+    return "\n".join(lines) + "\n"
+
+
+def write_status(run: str | os.PathLike[str]) -> str:
+    """The handoff summary as Markdown, also written to RUN/STATUS.md (atomically)."""
+    s = summarize(run)
+    text = status_markdown(s)
+    dest = s.path / STATUS_FILE
+    tmp = dest.with_name(f".{STATUS_FILE}.tmp")
+    tmp.write_text(text)
+    tmp.replace(dest)
+    return text
+
+
+def archive_run(run: str | os.PathLike[str], now: float | None = None) -> Path:
+    """RUN → RUN.archived-<UTC time> (one rename: atomic on one filesystem); returns the new path."""
+    run = Path(run)
+    if not is_run(run):
+        raise RunError(f"{run}: not a run folder (no config.yaml, metrics.jsonl or checkpoints/)")
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(time.time() if now is None else now))
+    dest = run.with_name(f"{run.name}.archived-{stamp}")
+    n = 1
+    while dest.exists():
+        dest = run.with_name(f"{run.name}.archived-{stamp}-{n}")
+        n += 1
+    os.rename(run, dest)  # fails rather than merging if dest appeared meanwhile
+    return dest
