@@ -98,7 +98,9 @@ class Dataset:
         self.split = split
         mf = self.path / "manifest.json"
         if not mf.is_file():
-            raise DatasetError(f"{mf}: no manifest; is {self.path} a dataset written by `flashdraft data regenerate`?")
+            raise DatasetError(
+                f"{mf}: no manifest; is {self.path} a dataset written by `flashdraft data regenerate`?"
+            )
         self.manifest: dict[str, Any] = json.loads(mf.read_text())
         if self.manifest.get("format") != FORMAT:
             raise DatasetError(f"{mf}: format {self.manifest.get('format')!r} is not {FORMAT!r}")
@@ -112,7 +114,9 @@ class Dataset:
             counts.append(t.num_rows)
             lengths.append(t.column("num_tokens").to_numpy())
         self._starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)  # [n_shards+1]
-        self.lengths: np.ndarray = (np.concatenate(lengths) if lengths else np.zeros(0)).astype(np.int64)  # [N]
+        self.lengths: np.ndarray = (np.concatenate(lengths) if lengths else np.zeros(0)).astype(
+            np.int64
+        )  # [N]
         self._cache: dict[int, _Shard] = {}
 
     def __len__(self) -> int:
@@ -148,7 +152,9 @@ class Dataset:
         sh = self._shard(k)
         r = i - int(self._starts[k])
         a, b = int(sh.offsets[r]), int(sh.offsets[r + 1])
-        return Sample(sh.sample_ids[r], sh.ids[a:b].copy(), sh.mask[a:b].copy(), json.loads(sh.metas[r] or "{}"))
+        return Sample(
+            sh.sample_ids[r], sh.ids[a:b].copy(), sh.mask[a:b].copy(), json.loads(sh.metas[r] or "{}")
+        )
 
     def __iter__(self) -> Iterator[Sample]:
         for i in range(len(self)):
@@ -163,7 +169,7 @@ def open_dataset(path: str | Path, split: str = "train") -> Dataset:
 
 
 def split_of(conversation_id: str, eval_fraction: float, salt: str = DEFAULT_SPLIT_SALT) -> str:
-    """"eval" or "train", from a hash of the conversation id only (order- and size-independent)."""
+    """ "eval" or "train", from a hash of the conversation id only (order- and size-independent)."""
     h = hashlib.blake2b((salt + conversation_id).encode(), digest_size=8).digest()
     return "eval" if int.from_bytes(h, "big") / 2**64 < eval_fraction else "train"
 
@@ -210,7 +216,9 @@ def _write_parquet(samples: list[Sample], path: Path) -> None:
 
     offsets = np.zeros(len(samples) + 1, dtype=np.int32)
     offsets[1:] = np.cumsum([len(s.input_ids) for s in samples])
-    flat_ids = np.concatenate([s.input_ids for s in samples]).astype(np.int32) if samples else np.zeros(0, np.int32)
+    flat_ids = (
+        np.concatenate([s.input_ids for s in samples]).astype(np.int32) if samples else np.zeros(0, np.int32)
+    )
     flat_mask = np.concatenate([s.loss_mask for s in samples]) if samples else np.zeros(0, bool)
     table = pa.table({
         "id": pa.array([s.id for s in samples], pa.string()),
@@ -229,7 +237,9 @@ def _replace_dir(tmp: Path, out: Path, overwrite: bool) -> None:
     if out.exists():
         if not overwrite:
             shutil.rmtree(tmp)
-            raise DatasetError(f"{out} already exists: pass overwrite=True (--overwrite) or choose another --out")
+            raise DatasetError(
+                f"{out} already exists: pass overwrite=True (--overwrite) or choose another --out"
+            )
         trash = out.with_name(f".{out.name}.old-{os.getpid()}")
         os.replace(out, trash)
         os.replace(tmp, out)
@@ -344,12 +354,20 @@ def write_dataset(
         "counts": {split: len(kept[split]) for split in SPLITS},
         "tokens": tokens,
         "dropped": {k: v for k, v in sorted(drops.items()) if v},
-        "split": {"eval_fraction": eval_fraction, "salt": split_salt, "key": "blake2b(salt + conversation_id)"},
+        "split": {
+            "eval_fraction": eval_fraction,
+            "salt": split_salt,
+            "key": "blake2b(salt + conversation_id)",
+        },
         "filters": {
             "max_length": max_length,
             "min_loss_tokens": min_loss_tokens,
             "dedup": "exact input_ids + loss_mask",
-            "contamination": {"sources": list(refs), "word_ngram": contamination_ngram, "unchecked": unchecked},
+            "contamination": {
+                "sources": list(refs),
+                "word_ngram": contamination_ngram,
+                "unchecked": unchecked,
+            },
         },
         "shards": shards,
     }

