@@ -3,6 +3,8 @@
     python benchmarks/train_throughput.py                                  # SmolLM2-135M + 5-layer b16 drafter, CUDA
     python benchmarks/train_throughput.py --json benchmarks/results/train_throughput.json
     python benchmarks/train_throughput.py --device cpu --tiny --steps 3    # a CPU smoke run of the same code path
+    python benchmarks/train_throughput.py --queue-depth 4                  # online pipeline: target in a producer thread
+    python benchmarks/train_throughput.py --queue-depth 4 --device cuda:1 --target-device cuda:0
 
 Each measured step runs the trainer's own code (`InProcessSource` → `Trainer.optimizer_step`),
 with a device sync around the target pass and around the drafter step so the split is exact
@@ -15,6 +17,13 @@ with a device sync around the target pass and around the drafter step so the spl
   (12 × layers × heads × head_dim per pair: QKᵀ and PV, forward and backward);
   block tokens count valid blocks only (padding blocks are overhead, not model work);
 - time split target / drafter, peak memory (CUDA allocator).
+
+With `--queue-depth N` the target runs in the pipeline's producer thread (its own CUDA
+stream, `flashdraft.train.pipeline.QueuedSource`), N batches ahead, as `flashdraft train`
+runs it; then "target_s" is the time the trainer waited for features (consumer wait), and
+the consumer wait fraction, mean queue depth and producer time per batch are reported.
+Only the trainer's stream is synchronised around the drafter step, so the producer keeps
+running underneath it.
 Documents are synthetic (random ids, the first `--prompt-frac` of each outside the loss
 mask) unless `--dataset` names a flashdraft dataset: throughput depends on lengths, not ids.
 """
@@ -37,6 +46,7 @@ from flashdraft.train.blocks import DraftBatch
 from flashdraft.train.config import TrainConfig
 from flashdraft.train.launch import build_drafter, resolve_precision
 from flashdraft.train.metrics import MetricsLogger
+from flashdraft.train.pipeline import FrozenHeads, QueuedSource, resolve_target_device
 from flashdraft.train.source import InProcessSource
 from flashdraft.train.trainer import Interval, Trainer
 
@@ -87,6 +97,11 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def sync_stream(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -109,6 +124,8 @@ def main() -> None:
     ap.add_argument("--grad-accum", type=int, default=1)
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--peak-tflops", type=float, default=790.0, help="bf16 ceiling of the device (H200: 790)")
+    ap.add_argument("--queue-depth", type=int, default=0, help="> 0: online pipeline with this queue depth")
+    ap.add_argument("--target-device", default="same", help="the target's device (pipeline), e.g. cuda:0")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args()
 
@@ -125,13 +142,14 @@ def main() -> None:
          f"runtime.compile={not args.no_compile}", "data.dataset=<benchmark>", "telemetry.progress=false"],
     )  # fmt: skip
     prec = resolve_precision(cfg, device)
+    target_device = resolve_target_device(args.target_device, device)
     t_load = time.perf_counter()
     if args.tiny:
-        target = tiny_random_target(device, prec.target)
+        target = tiny_random_target(target_device, prec.target)
     else:
         from flashdraft.target import load_target
 
-        target = load_target(args.target, dtype=prec.target, device=device)
+        target = load_target(args.target, dtype=prec.target, device=target_device)
     load_s = time.perf_counter() - t_load
     drafter = build_drafter(cfg, target, device, prec.params)
     if args.dataset:
@@ -154,11 +172,15 @@ def main() -> None:
         docs, target, drafter.target_layer_ids, max_length=args.max_length, token_budget=args.token_budget,
         epochs=None, seed=0, pad_multiple=cfg.data.pad_multiple, lengths=lengths,
     )  # fmt: skip
+    queued = args.queue_depth > 0
+    if queued:
+        source = QueuedSource(source, depth=args.queue_depth, device=device)
+    heads = target if target_device == device else FrozenHeads(target, device)
     attention = "flex" if device.type == "cuda" else "dense"
     model = torch.compile(drafter) if (device.type == "cuda" and not args.no_compile) else drafter
     run_dir = tempfile.mkdtemp(prefix="train-throughput-")
     trainer = Trainer(
-        cfg, target, drafter, source, run_dir=run_dir, model=model,
+        cfg, heads, drafter, source, run_dir=run_dir, model=model,
         logger=MetricsLogger(run_dir, enabled=False), device=device, compute_dtype=prec.compute, attention=attention,
     )  # fmt: skip
     hcfg = drafter.config
@@ -167,15 +189,19 @@ def main() -> None:
     rows = []
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    # queued: sync the trainer's stream only (a device-wide sync would wait for the producer too)
+    wait = (lambda: sync_stream(device)) if queued else (lambda: sync(device))  # noqa: E731
     for i in range(args.warmup_steps + args.steps):
-        sync(device)
+        wait()
         t0 = time.perf_counter()
         micro = [next(batches) for _ in range(args.grad_accum)]
-        sync(device)
+        wait()
         t1 = time.perf_counter()
         drafts = trainer.optimizer_step(micro, Interval(hcfg.block_size, device))
-        sync(device)
+        wait()
         t2 = time.perf_counter()
+        if i == args.warmup_steps - 1 and queued:
+            source.take_stats()  # pipeline stats cover the timed steps only
         if i < args.warmup_steps:
             continue
         block_tokens = sum(int(d.valid.sum()) * d.block_size for d in drafts)
@@ -230,7 +256,15 @@ def main() -> None:
         "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30
         if device.type == "cuda"
         else None,
+        "queue_depth": args.queue_depth,
+        "target_device": str(target_device),
     }
+    if queued:
+        stats = source.take_stats()
+        source.close()
+        result["consumer_wait_fraction"] = tot["target_s"] / step_s  # trainer time spent waiting for features
+        result["mean_queue_depth"] = stats["pipeline/queue_depth"]  # batches ready when the trainer asked
+        result["producer_s_per_batch"] = stats["pipeline/producer_s_per_batch"]
     w = max(len(k) for k in result)
     for k, v in result.items():
         shown = f"{v:,.4g}" if isinstance(v, float) and math.isfinite(v) else v
