@@ -147,13 +147,11 @@ def _common(body: Any, kind: str, limits: Limits) -> tuple[str, SamplingParams, 
         raise invalid("'model' is required: see GET /v1/models", "model", "missing_required_parameter")
     if not isinstance(model, str) or not model:
         raise invalid("'model' must be a non-empty string", "model", "invalid_type")
-    n = _int(body, "n", 1, 1)
-    del n  # only n=1 is served (generation is single-stream)
-    for key in ("best_of",):
-        if body.get(key) not in (None, 1):
-            raise invalid(
-                f"'{key}' is not supported: only 1 choice per request", key, "unsupported_parameter"
-            )
+    _int(body, "n", 1, 1)  # one choice per request: generation is single-stream
+    if body.get("best_of") not in (None, 1):
+        raise invalid(
+            "'best_of' is not supported: only 1 choice per request", "best_of", "unsupported_parameter"
+        )
     if body.get("logprobs") not in (None, False) or body.get("top_logprobs") is not None:
         raise invalid("'logprobs' is not supported by this server", "logprobs", "unsupported_parameter")
     if body.get("tools") or body.get("functions") or body.get("tool_choice") not in (None, "none"):
