@@ -83,14 +83,14 @@ def register(app: typer.Typer) -> None:
         progress: bool = typer.Option(True, help="progress bars"),
     ) -> None:
         """Offline τ (chain, DDTree budgets, top-k streak) of one or more drafters, side by side."""
-        import torch
 
         from flashdraft.drafter import DFlashDrafter
         from flashdraft.eval.evaluate import evaluate
         from flashdraft.eval.prompts import load_eval_prompts
         from flashdraft.eval.references import ServerConfig
         from flashdraft.eval.report import markdown_table, write_report
-        from flashdraft.eval.watch import resolve_drafter, watch as watch_run
+        from flashdraft.eval.watch import resolve_drafter
+        from flashdraft.eval.watch import watch as watch_run
         from flashdraft.target import _parse_dtype, check_pair, load_target
 
         if not drafter and watch is None:

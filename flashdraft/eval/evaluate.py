@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from flashdraft.drafter import DFlashDrafter
-from flashdraft.eval.offline import SampleResult, replay_sample, teacher_forced
+from flashdraft.eval.offline import ReplayItem, SampleResult, replay_batch, teacher_forced
 from flashdraft.eval.prompts import EvalPrompt
 from flashdraft.eval.references import Reference, ReferenceSettings, ServerConfig, compute_references
 from flashdraft.eval.replay import Method, methods_for
@@ -45,7 +45,7 @@ class DrafterReport:
     block_size: int
     num_layers: int
     methods: dict[str, MethodSummary]
-    slot_accuracy: list[float]  # slots 1..B−1 over chain rounds: P(draft == reference)
+    slot_accuracy: list[float]  # slots 1..B−1, every slot_stride-th chain round: P(draft == reference)
     slot_accuracy_conditional: list[float]  # P(slot k correct | slots < k correct)
     samples: int  # samples with at least one round
     seconds: float
@@ -86,6 +86,7 @@ class EvalReport:
     drafters: dict[str, DrafterReport]
     seconds: float
     teacher_forced_seconds: float
+    slot_stride: int = 4  # unconditional per-slot accuracy uses every slot_stride-th chain round
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -144,6 +145,34 @@ def summarize(
     )  # fmt: skip
 
 
+def _checked_item(
+    target: TargetModel, ref: Reference, max_new_tokens: int, layer_ids: list[int], stats: ReferenceStats
+) -> ReplayItem:
+    """The teacher-forced pass of one reference, its argmax check (and cut, for server references)."""
+    cont = ref.tokens[:max_new_tokens]
+    p = len(ref.prompt_ids)
+    t1 = time.perf_counter()
+    tf = teacher_forced(target, ref.prompt_ids + cont, layer_ids)
+    took = time.perf_counter() - t1
+    if ref.temperature == 0 and cont:
+        # the target's argmax after position p+j−1 must be reference token j
+        choice = tf.choice[p - 1 : p - 1 + len(cont)].tolist()
+        agree = [c == r for c, r in zip(choice, cont, strict=True)]
+        cut = agree.index(False) if ref.source.startswith("server") and not all(agree) else None
+        if cut is not None:
+            agree = agree[: cut + 1]  # past a disagreement the server's context is not the target's
+        stats.checked += len(agree)
+        stats.agreed += sum(agree)
+        for j, ok in enumerate(agree):
+            if not ok:
+                stats.divergences.append({"id": ref.id, "index": j, "margin": float(tf.margin[p - 1 + j])})
+        if cut is not None:
+            cont = cont[:cut]  # replay stops at the first disagreement
+            stats.truncated_samples += 1
+    stats.tokens += len(cont)
+    return ReplayItem(ref.id, tf, p, cont, took)
+
+
 @torch.no_grad()
 def evaluate(
     target: TargetModel,
@@ -162,6 +191,9 @@ def evaluate(
     dataset: str = "",
     drafter_paths: dict[str, str] | None = None,
     progress: bool = True,
+    group: int = 8,
+    first_slots: int = 2,
+    slot_stride: int = 4,
 ) -> EvalReport:
     """Offline τ (chain, each DDTree budget, the top-k streak) of every drafter on `prompts`."""
     from tqdm import tqdm
@@ -193,35 +225,20 @@ def evaluate(
     seconds = dict.fromkeys(drafters, 0.0)
     stats = ReferenceStats(len(refs), source, temperature, 0, computed, cached, ref_s, 0, 0, None, 0)
     tf_s = 0.0
-    bar = tqdm(refs, desc="offline τ", disable=not progress, unit="prompt")
-    for ref in bar:
-        cont = ref.tokens[:max_new_tokens]
-        p = len(ref.prompt_ids)
-        t1 = time.perf_counter()
-        tf = teacher_forced(target, ref.prompt_ids + cont, union)
-        tf_s += time.perf_counter() - t1
-        if ref.temperature == 0 and cont:
-            # the target's argmax after position p+j−1 must be reference token j
-            choice = tf.choice[p - 1 : p - 1 + len(cont)].tolist()
-            agree = [c == r for c, r in zip(choice, cont, strict=True)]
-            cut = agree.index(False) if ref.source != "local" and not all(agree) else None
-            if cut is not None:
-                agree = agree[: cut + 1]  # past a disagreement the server's context is not the target's
-            stats.checked += len(agree)
-            stats.agreed += sum(agree)
-            for j, ok in enumerate(agree):
-                if not ok:
-                    stats.divergences.append(
-                        {"id": ref.id, "index": j, "margin": float(tf.margin[p - 1 + j])}
-                    )
-            if cut is not None:
-                cont = cont[:cut]  # replay stops at the first disagreement
-                stats.truncated_samples += 1
-        stats.tokens += len(cont)
+    bar = tqdm(total=len(refs), desc="offline τ", disable=not progress, unit="prompt")
+    for a in range(0, len(refs), max(1, group)):
+        items: list[ReplayItem] = []
+        for ref in refs[a : a + group]:
+            items.append(_checked_item(target, ref, max_new_tokens, union, stats))
+        tf_s += sum(it.tf_seconds for it in items)
         for name, d in drafters.items():
             t1 = time.perf_counter()
-            results[name].append(replay_sample(target, d, tf, p, cont, methods, ref.id))
+            results[name] += replay_batch(
+                target, d, items, methods, first_slots=first_slots, slot_stride=slot_stride
+            )
             seconds[name] += time.perf_counter() - t1
+        bar.update(len(items))
+    bar.close()
     stats.agreement_rate = stats.agreed / stats.checked if stats.checked else None
     paths = drafter_paths or {}
     reports = {
@@ -242,5 +259,5 @@ def evaluate(
         budgets=sorted(set(budgets)), topk=[m.size for m in methods if m.kind == "topk"],
         methods=[m.name for m in methods], device=str(target.device), dtype=str(target.dtype).removeprefix("torch."),
         references=stats, drafters=reports, seconds=time.perf_counter() - t0, teacher_forced_seconds=tf_s,
-        notes=notes,
+        slot_stride=slot_stride, notes=notes,
     )  # fmt: skip

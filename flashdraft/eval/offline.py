@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from flashdraft.drafter import DFlashDrafter, DrafterCache
-from flashdraft.eval.replay import DraftRows, Method, accept
+from flashdraft.eval.replay import DraftRows, Method, Outcome, accept
 from flashdraft.target import TargetModel
 
 
@@ -74,64 +74,112 @@ def teacher_forced(
 
 
 class DrafterRows:
-    """The drafter's reduced output at any round start of one sample, computed on demand.
+    """The drafter's reduced output at any round start of a group of samples, computed on demand.
 
-    The context K/V of every position is computed once (the drafter cache); each call then
-    packs the requested blocks into one forward: block i = [X[s_i], MASK × (B−1)] at
-    positions s_i..s_i+B−1, seeing context keys < s_i and its own block only.
+    The context K/V of every sample's positions is computed once (one drafter cache, batch =
+    samples, zero-padded to the longest); `compute` then packs the requested blocks of every
+    sample into one forward: block [X[s], MASK × (B−1)] at positions s..s+B−1 sees the context
+    keys < s of its own sample and its own block only. The head (the target's lm_head, the
+    largest cost) runs on the first `first_slots` slots; `complete` adds the rest for the
+    blocks that need them.
     """
 
     def __init__(
         self,
         target: TargetModel,
         drafter: DFlashDrafter,
-        features: torch.Tensor,
-        tokens: torch.Tensor,
+        features: list[torch.Tensor],  # per sample [1, c_i, k·H]
+        tokens: list[torch.Tensor],  # per sample LongTensor [n_i] prompt + reference
         width: int,
+        first_slots: int = 2,
     ) -> None:
         self.target, self.drafter = target, drafter
-        self.tokens = tokens  # LongTensor [n] prompt + reference
+        self.tokens = tokens
         self.width = width
         self.dtype = next(drafter.parameters()).dtype
         self.block = drafter.block_size
+        self.first = max(1, min(first_slots, self.block - 1))
         device = target.device
-        n = features.shape[1]
+        g = len(features)
+        self.context = max(1, max(f.shape[1] for f in features))
+        feats = torch.zeros(
+            g, self.context, features[0].shape[-1], dtype=self.dtype, device=device
+        )  # [g, C, k·H]
+        for i, f in enumerate(features):
+            feats[i, : f.shape[1]] = f[0].to(self.dtype)  # padding rows are never attended to
         self.cache = DrafterCache.empty(drafter.config.num_hidden_layers)
-        dummy = target.embed_tokens(torch.tensor([drafter.mask_token_id], device=device))[None].to(self.dtype)
-        positions = torch.arange(n + 1, device=device)[None]  # [1, n + 1]
-        with torch.no_grad():  # fills the cache with the context K/V of all n positions; the output is unused
-            drafter(features.to(self.dtype), dummy, positions, cache=self.cache)
-        self.context = n
-        self.forwards = 0
-        self.blocks = 0
+        dummy = target.embed_tokens(torch.full((g, 1), drafter.mask_token_id, device=device)).to(self.dtype)
+        positions = torch.arange(self.context + 1, device=device)[None].expand(g, -1)  # [g, C + 1]
+        with torch.no_grad():  # fills the cache with every sample's context K/V; the output is unused
+            drafter(feats, dummy, positions, cache=self.cache)
+        self.forwards = [0] * g
+        self.blocks = [0] * g
 
     @torch.no_grad()
-    def compute(self, starts: list[int]) -> dict[int, DraftRows]:
-        m, b, c = len(starts), self.block, self.context
+    def compute(self, requests: dict[int, list[int]]) -> dict[int, dict[int, tuple[DraftRows, torch.Tensor]]]:
+        """{sample: [starts]} -> {sample: {start: (rows of the first slots, hidden [B−1, H])}}."""
+        samples = sorted(i for i, st in requests.items() if st)
+        g, b, c = len(samples), self.block, self.context
+        m = max(len(requests[i]) for i in samples)
         device = self.target.device
-        s = torch.tensor(starts, dtype=torch.long, device=device)  # [m]
-        block_ids = torch.full((m, b), self.drafter.mask_token_id, dtype=torch.long, device=device)
-        block_ids[:, 0] = self.tokens[s]  # the bonus of each round
-        noise = self.target.embed_tokens(block_ids).reshape(1, m * b, -1).to(self.dtype)  # [1, m·B, H]
-        positions = (s[:, None] + torch.arange(b, device=device)).reshape(1, m * b)  # [1, m·B]
-        ctx_ok = torch.arange(c, device=device)[None, :] < s[:, None]  # [m, c]: context strictly before s
-        ctx_ok = ctx_ok.repeat_interleave(b, dim=0)  # [m·B, c]
+        starts = torch.zeros(g, m, dtype=torch.long, device=device)  # padding blocks sit at 0
+        real = torch.zeros(g, m, dtype=torch.bool, device=device)
+        block_ids = torch.full((g, m, b), self.drafter.mask_token_id, dtype=torch.long, device=device)
+        for r, i in enumerate(samples):
+            st = torch.tensor(requests[i], dtype=torch.long, device=device)
+            starts[r, : len(st)] = st
+            real[r, : len(st)] = True
+            block_ids[r, : len(st), 0] = self.tokens[i][st]  # the bonus of each round
+        noise = self.target.embed_tokens(block_ids).reshape(g, m * b, -1).to(self.dtype)  # [g, m·B, H]
+        positions = (starts[..., None] + torch.arange(b, device=device)).reshape(g, m * b)  # [g, m·B]
+        # context keys strictly before the block's start, of real blocks only
+        ctx_ok = (torch.arange(c, device=device) < starts[..., None]) & real[..., None]  # [g, m, C]
+        ctx_ok = ctx_ok.repeat_interleave(b, dim=1)  # [g, m·B, C]
         own = torch.block_diag(*[torch.ones(b, b, dtype=torch.bool, device=device)] * m)  # [m·B, m·B]
-        mask = torch.cat([ctx_ok, own], dim=1)[None, None]  # [1, 1, m·B, c + m·B]
-        empty = torch.zeros(1, 0, self.drafter.fc.in_features, dtype=self.dtype, device=device)
-        hidden = self.drafter(empty, noise, positions, attention_mask=mask, cache=self.cache)  # [1, m·B, H]
-        self.cache.crop(c)  # nothing was added (no new context rows), but keep the invariant explicit
-        hidden = hidden.view(m, b, -1)[:, 1:]  # [m, B−1, H]: slots 1..B−1
-        logits = self.target.lm_head(hidden.to(self.target.dtype))  # [m, B−1, V], as generate computes them
-        argmax = logits.argmax(dim=-1).tolist()  # [m][B−1]
+        mask = torch.cat([ctx_ok, own.expand(g, -1, -1)], dim=2)[:, None]  # [g, 1, m·B, C + m·B]
+        idx = torch.tensor(samples, dtype=torch.long, device=device)
+        sub = DrafterCache(  # this forward's samples only; the drafter adds no context rows to it
+            [k.index_select(0, idx) for k in self.cache.keys],  # type: ignore[union-attr]
+            [v.index_select(0, idx) for v in self.cache.values],  # type: ignore[union-attr]
+        )
+        empty = torch.zeros(g, 0, self.drafter.fc.in_features, dtype=self.dtype, device=device)
+        hidden = self.drafter(empty, noise, positions, attention_mask=mask, cache=sub)  # [g, m·B, H]
+        hidden = hidden.view(g, m, b, -1)[:, :, 1:].to(self.target.dtype)  # [g, m, B−1, H]: slots 1..B−1
+        rows = self._head(hidden[real][:, : self.first])  # for the R real blocks, slots 1..first
+        out: dict[int, dict[int, tuple[DraftRows, torch.Tensor]]] = {}
+        flat = hidden[real]  # [R, B−1, H]
+        k = 0
+        for i in samples:
+            out[i] = {}
+            for st in requests[i]:
+                out[i][st] = (rows[k], flat[k])
+                k += 1
+            self.forwards[i] += 1
+            self.blocks[i] += len(requests[i])
+        return out
+
+    def _head(self, hidden: torch.Tensor) -> list[DraftRows]:
+        """hidden [R, S, H] (slots 1..S) -> per block: argmax, top-K log-probs, as generate/build_tree compute them."""
+        logits = self.target.lm_head(hidden)  # [R, S, V]
+        argmax = logits.argmax(dim=-1).tolist()  # [R][S]
         lp = torch.log_softmax(logits.float(), dim=-1)  # float32, as build_tree normalises
-        top_lp, top_ids = lp.topk(min(self.width, lp.shape[-1]), dim=-1)  # [m, B−1, K]
-        self.forwards += 1
-        self.blocks += m
-        return {
-            st: DraftRows(argmax[i], top_lp[i].cpu(), top_ids[i].cpu(), lp.shape[-1])
-            for i, st in enumerate(starts)
-        }
+        top_lp, top_ids = lp.topk(min(self.width, lp.shape[-1]), dim=-1)  # [R, S, K]
+        top_lp, top_ids = top_lp.cpu(), top_ids.cpu()
+        v = lp.shape[-1]
+        return [DraftRows(argmax[r], top_lp[r], top_ids[r], v, self.block - 1) for r in range(len(argmax))]
+
+    @torch.no_grad()
+    def complete(self, partial: list[tuple[DraftRows, torch.Tensor]]) -> list[DraftRows]:
+        """The remaining slots of these blocks, in one head pass: full rows."""
+        hidden = torch.stack([h[self.first :] for _, h in partial])  # [R, B−1−first, H]
+        rest = self._head(hidden)
+        return [
+            DraftRows(
+                p.argmax + q.argmax, torch.cat([p.top_lp, q.top_lp]), torch.cat([p.top_ids, q.top_ids]),
+                p.vocab, p.num_slots,
+            )
+            for (p, _), q in zip(partial, rest, strict=True)
+        ]  # fmt: skip
 
 
 @dataclass
@@ -159,6 +207,15 @@ class SampleResult:
     drafter_blocks: int = 0
 
 
+@dataclass
+class ReplayItem:
+    id: str
+    tf: TeacherForced
+    prompt_len: int
+    reference: list[int]  # new tokens only, within max_new_tokens/stop (after any truncation)
+    tf_seconds: float = 0.0  # time of the teacher-forced pass (reported separately)
+
+
 def replay_sample(
     target: TargetModel,
     drafter: DFlashDrafter,
@@ -167,58 +224,122 @@ def replay_sample(
     reference: list[int],
     methods: list[Method],
     sample_id: str = "",
+    **kw: int,
 ) -> SampleResult:
-    """Replay every method's rounds over one reference (new tokens only, within max_new_tokens/stop)."""
+    """Replay every method's rounds over one reference (see `replay_batch`)."""
+    return replay_batch(target, drafter, [ReplayItem(sample_id, tf, prompt_len, reference)], methods, **kw)[0]
+
+
+def replay_batch(
+    target: TargetModel,
+    drafter: DFlashDrafter,
+    items: list[ReplayItem],
+    methods: list[Method],
+    *,
+    first_slots: int = 2,
+    slot_stride: int = 4,
+) -> list[SampleResult]:
+    """Replay every method's rounds over a group of references, drafter passes shared.
+
+    Rounds are decided exactly as generate decides them; the lm_head runs on slots beyond
+    `first_slots` only for blocks whose outcome needs them, and for every `slot_stride`-th
+    chain round of a sample (those rounds give the unconditional per-slot accuracy).
+    """
     b = drafter.block_size
-    n_ref = len(reference)
-    tokens = tf.tokens[: prompt_len + n_ref]  # [prompt_len + n_ref]
-    if tokens[prompt_len:].tolist() != list(reference):
-        raise ValueError(
-            f"sample {sample_id}: the reference is not the continuation the teacher-forced pass ran on"
+    results = [
+        SampleResult(
+            it.id, it.prompt_len, len(it.reference), {m.name: MethodRounds() for m in methods},
+            [0] * (b - 1), [0] * (b - 1), [0] * (b - 1), [0] * (b - 1),
         )
-    end = prompt_len + n_ref - 1  # the last committed token's position; the prefill committed X[prompt_len]
-    feats = tf.features_for(drafter.target_layer_ids, target.hidden_size)[
-        :, : max(end, 0)
-    ]  # context < end suffices
-    result = SampleResult(
-        sample_id, prompt_len, n_ref, {m.name: MethodRounds() for m in methods},
-        [0] * (b - 1), [0] * (b - 1), [0] * (b - 1), [0] * (b - 1),
-    )  # fmt: skip
-    if n_ref < 2:
-        return result  # no round: the prefill alone commits the only token
-    width = max(m.width for m in methods)
-    rows_of = DrafterRows(target, drafter, feats, tokens, width)
-    ref_list = tokens.tolist()
-    pos = {m.name: prompt_len for m in methods}
-    memo: dict[int, DraftRows] = {}
+        for it in items
+    ]  # fmt: skip
+    live = [
+        k for k, it in enumerate(items) if len(it.reference) >= 2
+    ]  # one token: the prefill commits it, no round
+    if not live:
+        return results
+    ends, toks, feats = {}, {}, []
+    for k in live:
+        it = items[k]
+        n = it.prompt_len + len(it.reference)
+        tokens = it.tf.tokens[:n]  # [n]
+        if tokens[it.prompt_len :].tolist() != list(it.reference):
+            raise ValueError(
+                f"sample {it.id}: the reference is not the continuation the teacher-forced pass ran on"
+            )
+        ends[k] = n - 1  # the last committed token's position; the prefill committed X[prompt_len]
+        toks[k] = tokens.tolist()
+        feats.append(it.tf.features_for(drafter.target_layer_ids, target.hidden_size)[:, : ends[k]])
+    rows_of = DrafterRows(target, drafter, feats, [items[k].tf.tokens for k in live], max(m.width for m in methods),
+                          first_slots)  # fmt: skip
+    slot = {k: r for r, k in enumerate(live)}  # sample -> its row in the drafter batch
+    pos = {k: {m.name: items[k].prompt_len for m in methods} for k in live}
+    memo: dict[int, dict[int, tuple[DraftRows, torch.Tensor | None]]] = {k: {} for k in live}
+    chain_rounds = dict.fromkeys(live, 0)
     while True:
-        active = [m for m in methods if pos[m.name] < end]
+        active = {k: [m for m in methods if pos[k][m.name] < ends[k]] for k in live}
+        active = {k: ms for k, ms in active.items() if ms}
         if not active:
             break
-        need = sorted({pos[m.name] for m in active} - memo.keys())
-        if need:
-            memo.update(rows_of.compute(need))
-        for m in active:
-            s = pos[m.name]
-            remaining = end - s
-            ref = ref_list[s + 1 : s + 1 + min(b - 1, remaining)]
-            out = accept(m, memo[s], ref)
-            tau = min(out.accepted + 1, remaining)
-            rounds = result.methods[m.name]
-            rounds.acceptance_lengths.append(tau)
-            rounds.predicted.append(out.predicted)
+        need = {slot[k]: sorted({pos[k][m.name] for m in ms} - memo[k].keys()) for k, ms in active.items()}
+        if any(need.values()):
+            got = rows_of.compute({r: st for r, st in need.items() if st})
+            for k in active:
+                memo[k].update(got.get(slot[k], {}))
+        # decide every (sample, method) round; rounds whose outcome needs more slots wait for one batched head pass
+        pending: list[tuple[int, Method]] = []
+        decided: list[tuple[int, Method, Outcome]] = []
+        for k, ms in active.items():
+            for m in ms:
+                s = pos[k][m.name]
+                rows = memo[k][s][0]
+                sampled = m.kind == "chain" and chain_rounds[k] % slot_stride == 0
+                out = (
+                    None if (sampled and not rows.complete) else accept(m, rows, _ref(toks[k], s, ends[k], b))
+                )
+                (pending.append((k, m)) if out is None else decided.append((k, m, out)))
+        if pending:
+            keys = sorted({(k, pos[k][m.name]) for k, m in pending})
+            todo = [(k, s) for k, s in keys if not memo[k][s][0].complete]
+            if todo:
+                full = rows_of.complete([memo[k][s] for k, s in todo])  # type: ignore[misc]
+                for (k, s), fr in zip(todo, full, strict=True):
+                    memo[k][s] = (fr, None)
+            for k, m in pending:
+                s = pos[k][m.name]
+                out = accept(m, memo[k][s][0], _ref(toks[k], s, ends[k], b))
+                assert out is not None, "complete rows always decide"
+                decided.append((k, m, out))
+        for k, m, out in decided:
+            s = pos[k][m.name]
+            res = results[k]
+            tau = min(out.accepted + 1, ends[k] - s)
+            mr = res.methods[m.name]
+            mr.acceptance_lengths.append(tau)
+            mr.predicted.append(out.predicted)
             if out.slot_correct is not None:
+                unconditional = chain_rounds[k] % slot_stride == 0
                 earlier = True
-                for k, ok in enumerate(out.slot_correct):
-                    result.slot_total[k] += 1
-                    result.slot_correct[k] += ok
+                for j, ok in enumerate(out.slot_correct):
+                    if unconditional:
+                        res.slot_total[j] += 1
+                        res.slot_correct[j] += ok
                     if earlier:
-                        result.slot_cond_total[k] += 1
-                        result.slot_cond_correct[k] += ok
+                        res.slot_cond_total[j] += 1
+                        res.slot_cond_correct[j] += ok
                     earlier = earlier and ok
-            pos[m.name] = s + tau
-        low = min(pos.values())
-        for st in [st for st in memo if st < low]:  # no method goes back: bounded memory
-            del memo[st]
-    result.drafter_forwards, result.drafter_blocks = rows_of.forwards, rows_of.blocks
-    return result
+                chain_rounds[k] += 1
+            pos[k][m.name] = s + tau
+        for k in active:
+            low = min(pos[k].values())
+            for st in [st for st in memo[k] if st < low]:  # no method goes back: bounded memory
+                del memo[k][st]
+    for k in live:
+        results[k].drafter_forwards = rows_of.forwards[slot[k]]
+        results[k].drafter_blocks = rows_of.blocks[slot[k]]
+    return results
+
+
+def _ref(tokens: list[int], s: int, end: int, block: int) -> list[int]:
+    """The reference tokens a round at s compares with: after the bonus, at most B−1, none past the end."""
+    return tokens[s + 1 : s + 1 + min(block - 1, end - s)]

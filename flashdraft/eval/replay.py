@@ -18,7 +18,6 @@ Method names (never confuse the last two — DESIGN.md §3):
 from __future__ import annotations
 
 import heapq
-import math
 from dataclasses import dataclass
 
 import torch
@@ -58,12 +57,26 @@ def methods_for(budgets: list[int], topk: list[int] | int | None) -> list[Method
 
 @dataclass
 class DraftRows:
-    """The drafter's output at one round start, reduced to what every replay needs."""
+    """The drafter's output at one round start, reduced to what every replay needs.
 
-    argmax: list[int]  # [B-1] argmax of the logits per slot (the chain's drafts)
-    top_lp: torch.Tensor  # float32 [B-1, K] full-vocabulary log-softmax, sorted descending
-    top_ids: torch.Tensor  # int64 [B-1, K]
+    May hold only the first S of the B−1 slots (offline.py computes the head lazily: most rounds
+    of a weak drafter end at slot 1 or 2); `accept` returns None when it needs the rest.
+    """
+
+    argmax: list[int]  # [S] argmax of the logits per slot (the chain's drafts)
+    top_lp: torch.Tensor  # float32 [S, K] full-vocabulary log-softmax, sorted descending
+    top_ids: torch.Tensor  # int64 [S, K]
     vocab: int  # the full vocabulary size (K == vocab means the lists are complete)
+    num_slots: int  # B − 1, the slots the block has (S <= num_slots)
+
+    @property
+    def complete(self) -> bool:
+        return len(self.argmax) == self.num_slots
+
+
+# a chain/top-k surrogate tail below this (slots not computed, each under the last computed
+# prefix probability) is dropped instead of computing the missing slots: |error| < 1e-4 per round
+SURROGATE_TAIL = 1e-4
 
 
 @dataclass
@@ -74,15 +87,21 @@ class Outcome:
 
 
 def build_tree_from_topk(
-    top_lp: torch.Tensor, top_ids: torch.Tensor, budget: int, vocab: int | None = None
-) -> Tree:
+    top_lp: torch.Tensor,
+    top_ids: torch.Tensor,
+    budget: int,
+    vocab: int | None = None,
+    num_slots: int | None = None,
+) -> Tree | None:
     """The tree `flashdraft.tree.build_tree(logits, budget)` builds, from stored top-K (K >= budget).
 
     Same scores (float32 log-softmax values summed as Python floats) and the same tie order
     (score, then depth, then rank in the slot, then parent), so offline and online trees are
-    identical node for node. Only children, depths and scores are filled in what replay uses.
+    identical node for node. `top_lp` may hold only the first S of `num_slots` slots: the
+    result is None when the tree takes a node at slot S and would need slot S+1.
     """
-    num_slots, width = top_lp.shape
+    have, width = top_lp.shape
+    num_slots = have if num_slots is None else num_slots
     k = min(budget, width)
     if budget > width and width != vocab:
         raise ValueError(f"budget {budget} needs the top-{budget} per slot, only {width} were stored")
@@ -95,9 +114,7 @@ def build_tree_from_topk(
     ranks: list[int] = []
     children: list[dict[int, int]] = [{}]
     # entry: (-score, depth, rank, parent, parent score)
-    heap: list[tuple[float, int, int, int, float]] = (
-        [(-lp[0][0], 1, 0, 0, 0.0)] if budget and num_slots else []
-    )
+    heap: list[tuple[float, int, int, int, float]] = [(-lp[0][0], 1, 0, 0, 0.0)] if budget and have else []
     while heap and len(tokens) < budget:
         neg, depth, rank, parent, base = heapq.heappop(heap)
         node = len(parents)
@@ -112,6 +129,8 @@ def build_tree_from_topk(
         if rank + 1 < k:
             heapq.heappush(heap, (-(base + lp[depth - 1][rank + 1]), depth, rank + 1, parent, base))
         if depth < num_slots:
+            if depth >= have:
+                return None  # a node at the last computed slot was taken: its first child needs the next slot
             heapq.heappush(heap, (-(-neg + lp[depth][0]), depth + 1, 0, node, -neg))
     return Tree(
         tokens=torch.tensor(tokens, dtype=torch.long),
@@ -123,21 +142,40 @@ def build_tree_from_topk(
     )
 
 
-def accept(method: Method, rows: DraftRows, ref: list[int]) -> Outcome:
-    """Drafts accepted at this round start; `ref` = the reference tokens after the bonus (<= B-1 of them)."""
+def _surrogate_chain(lps: list[float], complete: bool) -> float | None:
+    """1 + Σ_k Π_{i<=k} p_i over the computed slots; None when the missing tail could matter."""
+    cum, pred = 1.0, 1.0
+    for p in lps:
+        cum *= p
+        pred += cum
+    if not complete and cum > SURROGATE_TAIL / 16:
+        return None
+    return pred
+
+
+def accept(method: Method, rows: DraftRows, ref: list[int]) -> Outcome | None:
+    """Drafts accepted at this round start; `ref` = the reference tokens after the bonus (<= B-1 of them).
+
+    None when `rows` holds too few slots to decide (the caller computes the rest and asks again).
+    """
+    have = len(rows.argmax)
+    comparable = min(len(ref), rows.num_slots)
     if method.kind == "chain":
         correct = [d == r for d, r in zip(rows.argmax, ref, strict=False)]
         a = 0
         while a < len(correct) and correct[a]:
             a += 1
+        if a == have < comparable:
+            return None  # every computed draft matched: the next slot decides
         # surrogate: P(first k drafts all accepted) under the drafter's own distribution
-        cum, pred = 0.0, 1.0
-        for lp0 in rows.top_lp[:, 0].tolist():
-            cum += lp0
-            pred += math.exp(cum)
-        return Outcome(a, pred, correct)
+        pred = _surrogate_chain(torch.exp(rows.top_lp[:, 0].double()).tolist(), rows.complete)
+        if pred is None:
+            return None
+        return Outcome(a, pred, correct[: a + 1] if not rows.complete else correct)
     if method.kind == "ddtree":
-        tree = build_tree_from_topk(rows.top_lp, rows.top_ids, method.size, rows.vocab)
+        tree = build_tree_from_topk(rows.top_lp, rows.top_ids, method.size, rows.vocab, rows.num_slots)
+        if tree is None:
+            return None
         node, a = 0, 0
         for tok in ref:
             child = tree.children[node].get(tok)
@@ -153,8 +191,12 @@ def accept(method: Method, rows: DraftRows, ref: list[int]) -> Outcome:
             )
         ids = rows.top_ids[:, :k].tolist()
         a = 0
-        while a < len(ref) and ref[a] in ids[a]:
+        while a < min(len(ref), have) and ref[a] in ids[a]:
             a += 1
-        mass = torch.exp(rows.top_lp[:, :k].double()).sum(-1).cumprod(0)  # [B-1] P(streak reaches slot k)
-        return Outcome(a, 1.0 + float(mass.sum()))
+        if a == have < comparable:
+            return None
+        pred = _surrogate_chain(torch.exp(rows.top_lp[:, :k].double()).sum(-1).tolist(), rows.complete)
+        if pred is None:
+            return None
+        return Outcome(a, pred)
     raise ValueError(f"unknown method kind {method.kind!r}")

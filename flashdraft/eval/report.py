@@ -79,7 +79,7 @@ def markdown_table(report: EvalReport) -> str:
         cells = [f"{_fmt(d.methods[m].predicted_tau)} / {_fmt(d.methods[m].tau)}" for m in r.methods]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     b = max(d.block_size for d in r.drafters.values())
-    lines += ["", "Per-slot accuracy over chain rounds, unconditional (conditional on all earlier slots correct):", "",
+    lines += ["", f"Per-slot accuracy: unconditional over every {r.slot_stride}th chain round (conditional on all earlier slots correct, over all chain rounds):", "",
               "| drafter | " + " | ".join(f"s{k}" for k in range(1, b)) + " |", "|---|" + "---:|" * (b - 1)]  # fmt: skip
     for name, d in r.drafters.items():
         cells = [

@@ -8,7 +8,7 @@ import torch
 
 from flashdraft.decode.generate import generate
 from flashdraft.eval.evaluate import evaluate
-from flashdraft.eval.offline import replay_sample, teacher_forced
+from flashdraft.eval.offline import ReplayItem, replay_batch, replay_sample, teacher_forced
 from flashdraft.eval.replay import Method, build_tree_from_topk, methods_for
 from flashdraft.tree import build_tree
 from tests.conftest import tiny_drafter, tiny_target
@@ -70,6 +70,8 @@ def test_evaluate_matches_online_mean_tau(tmp_path) -> None:
         stop_token_ids=[],
         cache_dir=tmp_path,
         progress=False,
+        slot_stride=1,
+        group=2,
     )
     d = report.drafters["d"]
     for name, kind, budget in [
@@ -110,3 +112,27 @@ def test_method_names() -> None:
     assert Method.parse("ddtree-8").name == "ddtree-8" and Method.parse("topk-8").kind == "topk"
     with pytest.raises(ValueError, match="ddtree-N"):
         Method.parse("tree8")
+
+
+def test_lazy_head_slots_change_nothing() -> None:
+    """The head on the first slots only (rest on demand) decides every round as the full head does."""
+    target = tiny_target("llama", vocab=16)
+    drafter = tiny_drafter(target, block_size=8)
+    methods = methods_for([2, 8, 32], [2, 4])
+    items = []
+    for i, prompt in enumerate(_prompts(4, 16, seed=3)):
+        ref = generate(target, None, prompt, max_new_tokens=MAX_NEW, method="ar", stop_token_ids=[]).tokens
+        items.append(
+            ReplayItem(
+                f"s{i}", teacher_forced(target, prompt + ref, drafter.target_layer_ids), len(prompt), ref
+            )
+        )
+    full = replay_batch(target, drafter, items, methods, first_slots=7, slot_stride=1)
+    lazy = replay_batch(target, drafter, items[:1], methods, first_slots=1, slot_stride=1)
+    lazy += replay_batch(target, drafter, items[1:], methods, first_slots=1, slot_stride=1)
+    for f, z in zip(full, lazy, strict=True):
+        assert f.slot_correct == z.slot_correct and f.slot_cond_total == z.slot_cond_total
+        for name in f.methods:
+            assert f.methods[name].acceptance_lengths == z.methods[name].acceptance_lengths, name
+            assert f.methods[name].predicted == pytest.approx(z.methods[name].predicted, abs=1e-4), name
+    assert sum(r.drafter_forwards for r in lazy) > 0

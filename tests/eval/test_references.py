@@ -142,3 +142,14 @@ def test_server_client_error_is_not_retried(tmp_path) -> None:
             transport=httpx.MockTransport(handler),
         )
     assert len(calls) == 1
+
+
+def test_batched_greedy_references_match_single(tmp_path) -> None:
+    target = tiny_target("qwen3")
+    prompts = [*PROMPTS, EvalPrompt("long", [5, 6, 7, 8, 9, 10, 11, 12, 13], "token ids")]
+    s = ReferenceSettings(max_new_tokens=14, stop_token_ids=[4])
+    one = compute_references(target, prompts, s, cache_dir=tmp_path, progress=False)
+    many = compute_references(target, prompts, s, cache_dir=tmp_path, progress=False, batch_size=3)
+    assert many.computed == len(prompts)  # a different source ("local-batched"), a different cache key
+    assert [r.tokens for r in many.references] == [r.tokens for r in one.references]
+    assert {r.source for r in many.references} == {"local-batched"}
