@@ -152,7 +152,9 @@ class RoundProfile:
     tree_ms: float = 0.0
     verify_ms: float = 0.0
     commit_ms: float = 0.0  # acceptance, K/V gather, state update
-    host_ms: float = 0.0  # the round's host read and Python bookkeeping, outside the phases
+    host_ms: float = (
+        0.0  # from the last launch to the read done: device time not yet finished + host bookkeeping
+    )
     rounds: int = 0
     per_round: list[dict[str, float]] = field(default_factory=list)
 
