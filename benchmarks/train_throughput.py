@@ -174,7 +174,7 @@ def main() -> None:
     )  # fmt: skip
     queued = args.queue_depth > 0
     if queued:
-        source = QueuedSource(source, depth=args.queue_depth, device=device)
+        source = QueuedSource(source, depth=args.queue_depth, device=device, source_device=target_device)
     heads = target if target_device == device else FrozenHeads(target, device)
     attention = "flex" if device.type == "cuda" else "dense"
     model = torch.compile(drafter) if (device.type == "cuda" and not args.no_compile) else drafter

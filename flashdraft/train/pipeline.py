@@ -77,12 +77,14 @@ class QueuedSource:
         *,
         depth: int = 4,
         device: torch.device | str | None = None,  # the trainer's device (None: features stay put)
+        source_device: torch.device | str | None = None,  # where `inner` makes features (the target's device)
         starve_threshold: float = 0.05,
         starve_window: int = 50,  # micro-batches
     ) -> None:
         self.inner = inner
         self.depth = int(depth)
         self.device = torch.device(device) if device is not None else None
+        self.source_device = torch.device(source_device) if source_device is not None else None
         self.starve_threshold, self.starve_window = starve_threshold, starve_window
         self._state = copy.deepcopy(inner.state_dict())
         self._thread: threading.Thread | None = None
@@ -151,13 +153,25 @@ class QueuedSource:
 
     # ------------------------------------------------------------------ producer
 
+    def _producer_streams(self) -> list[Any]:
+        """One side stream per CUDA device the producer touches (the target's, the trainer's)."""
+        devs = []
+        for d in (self.source_device, self.device):
+            if d is not None and d.type == "cuda":
+                d = torch.device("cuda", d.index if d.index is not None else torch.cuda.current_device())
+                if d not in devs:
+                    devs.append(d)
+        return [torch.cuda.Stream(device=d) for d in devs]
+
     def _produce(self) -> None:
-        stream = None
-        if self.device is not None and self.device.type == "cuda":
-            stream = torch.cuda.Stream(device=self.device)
+        # Side streams: the target's kernels and the copies overlap the trainer's default stream. A
+        # cross-device copy runs on the source device's current stream and fences the destination's
+        # current stream, which is also a side stream here, so the trainer's queue is never waited on.
+        streams = self._producer_streams()
         try:
-            ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-            with ctx:
+            with contextlib.ExitStack() as ctx:
+                for st in streams:
+                    ctx.enter_context(torch.cuda.stream(st))
                 it = iter(self.inner)
                 while not self._stop.is_set():
                     t0 = time.perf_counter()
@@ -167,9 +181,8 @@ class QueuedSource:
                     state = copy.deepcopy(self.inner.state_dict())  # right after this batch
                     fb = self._hand_off(fb)
                     event = None
-                    if stream is not None:
-                        event = torch.cuda.Event()
-                        event.record(stream)
+                    for st in streams:
+                        event = st.record_event()
                         event.synchronize()  # blocks this thread only: honest producer time, bounded work in flight
                     item = _Item(fb, state, time.perf_counter() - t0, event)
                     if not self._put(item):
@@ -332,4 +345,5 @@ def build_source(
     return QueuedSource(
         inner, depth=p.queue_depth, device=device, starve_threshold=p.starve_threshold,
         starve_window=p.starve_window,
+        source_device=torch.device("cpu") if p.mode == "offline" else torch.device(target.device),
     )  # fmt: skip
