@@ -43,6 +43,10 @@ from flashdraft.train.metrics import MetricsLogger
 from flashdraft.train.source import FeatureSource
 from flashdraft.train.step import NoiseSettings, micro_step
 
+TARGET_OOM_HINT = (
+    "out of memory in the target feature pass: lower data.token_budget (target tokens per micro-batch; raise "
+    "optim.grad_accum to keep the global batch) or data.max_length"
+)
 OOM_HINT = (
     "out of memory in the drafter step: lower data.token_budget (target tokens per micro-batch; raise "
     "optim.grad_accum to keep the global batch), data.max_anchors (blocks per document) or data.max_length"
@@ -234,7 +238,10 @@ class Trainer:
             while self.step < self.total_steps:
                 micro = []
                 for _ in range(cfg.optim.grad_accum):
-                    fb = next(batches, None)
+                    try:
+                        fb = next(batches, None)  # in-process sources run the target here
+                    except torch.OutOfMemoryError as e:
+                        raise TrainingError(f"step {self.step + 1}: {TARGET_OOM_HINT}") from e
                     if fb is None:
                         break
                     micro.append(fb)

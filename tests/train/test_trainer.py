@@ -232,3 +232,20 @@ def test_exact_resume_after_sigkill(tmp_path):
     wb = DFlashDrafter.from_pretrained(latest_checkpoint(tmp_path / "cut") / "drafter").state_dict()
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
     assert (tmp_path / "cut" / "command.txt").read_text().count("resume: ") == 1
+
+
+def test_out_of_memory_in_the_target_pass_names_the_knobs(tmp_path):
+    class _Boom:
+        def __init__(self, inner: InProcessSource) -> None:
+            self.inner = inner
+
+        def __iter__(self):  # noqa: ANN204
+            raise torch.OutOfMemoryError("CUDA out of memory")
+            yield  # pragma: no cover
+
+        def __getattr__(self, name: str):  # noqa: ANN204
+            return getattr(self.inner, name)
+
+    tr = make_trainer(tmp_path, ["optim.max_steps=2"], wrap=_Boom)
+    with pytest.raises(TrainingError, match=r"target feature pass.*data\.token_budget.*data\.max_length"):
+        tr.run()
