@@ -191,7 +191,7 @@ def evaluate(
     dataset: str = "",
     drafter_paths: dict[str, str] | None = None,
     progress: bool = True,
-    group: int = 8,
+    group: int = 16,
     first_slots: int = 2,
     slot_stride: int = 4,
 ) -> EvalReport:

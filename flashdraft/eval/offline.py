@@ -275,6 +275,8 @@ def replay_batch(
     slot = {k: r for r, k in enumerate(live)}  # sample -> its row in the drafter batch
     pos = {k: {m.name: items[k].prompt_len for m in methods} for k in live}
     memo: dict[int, dict[int, tuple[DraftRows, torch.Tensor | None]]] = {k: {} for k in live}
+    walks: dict[tuple[int, int], dict] = {}  # (sample, start) -> the start's shared tree walk
+    tree_budget = max((m.size for m in methods if m.kind == "ddtree"), default=0)
     chain_rounds = dict.fromkeys(live, 0)
     while True:
         active = {k: [m for m in methods if pos[k][m.name] < ends[k]] for k in live}
@@ -307,7 +309,9 @@ def replay_batch(
                     memo[k][s] = (fr, None)
             for k, m in pending:
                 s = pos[k][m.name]
-                out = accept(m, memo[k][s][0], _ref(toks[k], s, ends[k], b))
+                out = accept(
+                    m, memo[k][s][0], _ref(toks[k], s, ends[k], b), walks.setdefault((k, s), {}), tree_budget
+                )
                 assert out is not None, "complete rows always decide"
                 decided.append((k, m, out))
         for k, m, out in decided:
@@ -334,6 +338,7 @@ def replay_batch(
             low = min(pos[k].values())
             for st in [st for st in memo[k] if st < low]:  # no method goes back: bounded memory
                 del memo[k][st]
+                walks.pop((k, st), None)
     for k in live:
         results[k].drafter_forwards = rows_of.forwards[slot[k]]
         results[k].drafter_blocks = rows_of.blocks[slot[k]]

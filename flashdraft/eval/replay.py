@@ -153,10 +153,55 @@ def _surrogate_chain(lps: list[float], complete: bool) -> float | None:
     return pred
 
 
-def accept(method: Method, rows: DraftRows, ref: list[int]) -> Outcome | None:
+@dataclass
+class TreeWalk:
+    """The largest DDTree of a round start, reduced to what every smaller budget needs.
+
+    `build_tree` emits nodes in pop order and a budget-n build pops exactly the first n nodes
+    of a larger build (a sibling of rank >= n can only be popped after n others), so one build
+    at the largest budget answers every budget: the tree of budget n is nodes 1..n.
+    """
+
+    path: list[int]  # node indices (pop order) of the reference path, root excluded; increasing
+    cum_q: list[float]  # cum_q[i] = Σ_{j <= i} Q(node j+1): prefix sums of the nodes' probabilities
+
+    def accepted(self, budget: int) -> int:
+        a = 0
+        while a < len(self.path) and self.path[a] <= budget:
+            a += 1
+        return a
+
+    def predicted(self, budget: int) -> float:
+        n = min(budget, len(self.cum_q))
+        return 1.0 + (self.cum_q[n - 1] if n else 0.0)
+
+
+def tree_walk(rows: DraftRows, ref: list[int], budget: int) -> TreeWalk | None:
+    tree = build_tree_from_topk(rows.top_lp, rows.top_ids, budget, rows.vocab, rows.num_slots)
+    if tree is None:
+        return None
+    node, path = 0, []
+    for tok in ref:
+        child = tree.children[node].get(tok)
+        if child is None:
+            break
+        path.append(child)
+        node = child
+    cum = torch.exp(tree.log_probs.double()).cumsum(0).tolist()
+    return TreeWalk(path, cum)
+
+
+def accept(
+    method: Method,
+    rows: DraftRows,
+    ref: list[int],
+    shared: dict[str, TreeWalk] | None = None,
+    tree_budget: int = 0,
+) -> Outcome | None:
     """Drafts accepted at this round start; `ref` = the reference tokens after the bonus (<= B-1 of them).
 
     None when `rows` holds too few slots to decide (the caller computes the rest and asks again).
+    DDTree methods of one start share one build at `tree_budget` (>= every budget) through `shared`.
     """
     have = len(rows.argmax)
     comparable = min(len(ref), rows.num_slots)
@@ -173,16 +218,15 @@ def accept(method: Method, rows: DraftRows, ref: list[int]) -> Outcome | None:
             return None
         return Outcome(a, pred, correct[: a + 1] if not rows.complete else correct)
     if method.kind == "ddtree":
-        tree = build_tree_from_topk(rows.top_lp, rows.top_ids, method.size, rows.vocab, rows.num_slots)
-        if tree is None:
-            return None
-        node, a = 0, 0
-        for tok in ref:
-            child = tree.children[node].get(tok)
-            if child is None:
-                break
-            node, a = child, a + 1
-        return Outcome(a, 1.0 + float(torch.exp(tree.log_probs.double()).sum()))
+        big = max(tree_budget, method.size)
+        walk = shared.get("tree") if shared is not None and big == tree_budget else None
+        if walk is None:
+            walk = tree_walk(rows, ref, big)
+            if walk is None:
+                return None
+            if shared is not None and big == tree_budget:
+                shared["tree"] = walk
+        return Outcome(walk.accepted(method.size), walk.predicted(method.size))
     if method.kind == "topk":
         k = method.size
         if k > rows.top_ids.shape[1] and rows.top_ids.shape[1] != rows.vocab:

@@ -136,3 +136,15 @@ def test_lazy_head_slots_change_nothing() -> None:
             assert f.methods[name].acceptance_lengths == z.methods[name].acceptance_lengths, name
             assert f.methods[name].predicted == pytest.approx(z.methods[name].predicted, abs=1e-4), name
     assert sum(r.drafter_forwards for r in lazy) > 0
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_smaller_budget_is_a_prefix_of_the_largest(seed: int) -> None:
+    """What TreeWalk relies on: build_tree(n) holds exactly nodes 1..n of build_tree(N), N > n."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(6, 40, generator=g) * (1 + seed)
+    big = build_tree(logits, 64)
+    for n in (1, 3, 8, 20, 40):
+        small = build_tree(logits, n)
+        assert small.tokens.tolist() == big.tokens[:n].tolist()
+        assert small.parents == big.parents[: n + 1]
