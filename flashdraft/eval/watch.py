@@ -96,16 +96,16 @@ def log_line(report: EvalReport, step: int, checkpoint: Path) -> dict[str, Any]:
     return {
         "step": step,
         "checkpoint": str(checkpoint),
-        "time": time.time(),
+        "tau_chain": d.methods["chain"].tau,
+        "tau_ddtree": {str(b): round(d.methods[f"ddtree-{b}"].tau, 4) for b in report.budgets},
+        "tau_topk": {str(k): round(d.methods[f"topk-{k}"].tau, 4) for k in report.topk},
         "dataset": report.dataset,
         "prompts": report.references.count,
         "max_new_tokens": report.max_new_tokens,
         "temperature": report.temperature,
-        "tau_chain": d.methods["chain"].tau,
-        "tau_ddtree": {str(b): d.methods[f"ddtree-{b}"].tau for b in report.budgets},
-        "tau_topk": {str(k): d.methods[f"topk-{k}"].tau for k in report.topk},
-        "slot_accuracy": d.slot_accuracy,
-        "eval_seconds": report.seconds,
+        "slot_accuracy": [round(x, 4) for x in d.slot_accuracy],
+        "eval_seconds": round(report.seconds, 1),
+        "time": time.time(),
     }
 
 
@@ -144,7 +144,10 @@ def watch(
             step = checkpoint_step(ckpt)
             try:
                 report = evaluate_checkpoint(ckpt / "drafter", f"step-{step}")
-            except FileNotFoundError as e:  # rotated away by training between listing and reading
+            except Exception as e:
+                if ckpt.exists():
+                    raise
+                # rotated away by training (keep_last) between listing and reading
                 log.warning("checkpoint %s vanished before it was evaluated (%s): skipped", ckpt, e)
                 result.skipped.append(step)
                 continue

@@ -65,3 +65,19 @@ def test_watch_picks_up_a_new_checkpoint(tmp_path: Path) -> None:
     assert watch(run, one, once=True).evaluated == []
     # --drafter RUN_DIR means the newest checkpoint
     assert resolve_drafter(run) == (run / "checkpoints" / "step-00000020" / "drafter", 20)
+
+
+def test_watch_skips_a_checkpoint_rotated_away(tmp_path: Path) -> None:
+    import shutil
+
+    target = tiny_target("llama")
+    run = tmp_path / "run"
+    _write_checkpoint(run, 5, tiny_drafter(target, seed=1))
+
+    def one(folder: Path, name: str):  # type: ignore[no-untyped-def]
+        shutil.rmtree(folder.parent)  # training's keep_last deletes it between listing and reading
+        return DFlashDrafter.from_pretrained(folder)
+
+    res = watch(run, one, once=True)
+    assert res.evaluated == [] and res.skipped == [5]
+    assert not (run / "eval" / "log.jsonl").exists()
