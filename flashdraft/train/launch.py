@@ -140,6 +140,8 @@ def train(
     ctx = init_distributed(cfg.distributed.backend, cfg.runtime.device)  # torchrun: one rank per process
     try:
         device = ctx.device if ctx.device is not None else resolve_device(cfg)
+        if device.type == "cuda" and device.index is None:  # "cuda" == "cuda:0" for placement comparisons
+            device = torch.device("cuda", torch.cuda.current_device())
         prec = resolve_precision(cfg, device)
         if cfg.runtime.deterministic:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
