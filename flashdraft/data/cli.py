@@ -44,7 +44,9 @@ def register(app: typer.Typer) -> None:
         device: str = typer.Option("cpu"),
         dtype: str = typer.Option("float32"),
         engine: str = typer.Option(
-            "loop", help="'loop' (batched loop over the target) or 'hf' (transformers generate)"
+            "auto",
+            help="'loop' (our batched loop: no per-step host sync), 'hf' (transformers generate; static cache on "
+            "CUDA), or 'auto': hf on CPU (measured faster there), loop on CUDA",
         ),
         server: str | None = typer.Option(None, help="OpenAI-compatible server URL: generate there instead"),
         server_model: str | None = typer.Option(None, help="model name on the server (default: its first)"),
@@ -88,6 +90,8 @@ def register(app: typer.Typer) -> None:
                 stop_ids=stop_token_ids(t.tokenizer, getattr(t.model, "generation_config", None)),
             )
             params = GenerationParams(max_new_tokens, temperature, top_p, tpl.stop_ids)
+            if engine == "auto":
+                engine = "loop" if t.device.type == "cuda" else "hf"
             gen = LocalGenerator(
                 t, params, engine=engine, batch_size=batch_size, max_batch_tokens=max_batch_tokens
             )

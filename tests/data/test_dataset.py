@@ -161,3 +161,19 @@ def test_atomic_write_and_refuse_overwrite(tmp_path):
     write_dataset([_sample(3)], out, eval_fraction=0.0, contamination_sources=(), overwrite=True)
     assert [s.id for s in open_dataset(out)] == ["s3"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ds"]  # no temp folders left behind
+
+
+def test_split_key_keeps_conversation_parts_together(tmp_path):
+    # ShareGPT cut long chats into parts "<id>_<k>": parts share meta["split_key"] and land on one side
+    parts = [
+        Sample(f"g{g}_{k}", np.arange(100 * g + k, 100 * g + k + 20, dtype=np.int32), np.ones(20, bool),
+               {"conversation_id": f"g{g}_{k}", "split_key": f"g{g}"})
+        for g in range(30) for k in range(3)
+    ]  # fmt: skip
+    write_dataset(
+        parts, tmp_path / "ds", eval_fraction=0.3, contamination_sources=(), check_eval_split_overlap=False
+    )
+    ev = {s.id.split("_")[0] for s in open_dataset(tmp_path / "ds", "eval")}
+    tr = {s.id.split("_")[0] for s in open_dataset(tmp_path / "ds", "train")}
+    assert ev and tr and not ev & tr
+    assert ev == {f"g{g}" for g in range(30) if split_of(f"g{g}", 0.3) == "eval"}

@@ -26,7 +26,7 @@ def test_packaged_sharegpt_and_humaneval():
     stats = SourceStats()
     convs = load_conversations("sharegpt", limit=50, stats=stats)
     assert len(convs) == 50 and all(c.user_turns for c in convs)
-    assert convs[0].id == "QWJhYvA_0" and convs[0].turns[0].role == "user"
+    assert convs[0].id == "QWJhYvA_0" and convs[0].turns[0].role == "user" and convs[0].group == "QWJhYvA"
     he = load_prompts("humaneval")
     assert len(he) == 164 and he[0].id == "HumanEval/0"
     text = he[0].user_turns[0]

@@ -1,0 +1,163 @@
+"""Regeneration throughput (generated tokens/s): flashdraft's regenerator against transformers' plain generate.
+
+On one H200 (the lead runs this; the goal is >= 20,000 generated tokens/s for SmolLM2-135M-Instruct):
+
+    python benchmarks/regen_throughput.py --device cuda --dtype bfloat16 --n 4096 --batch-size 2048 \
+        --max-new-tokens 256 --out benchmarks/results/regen_throughput.json
+
+A CPU check with a handful of prompts:
+
+    python benchmarks/regen_throughput.py --device cpu --n 8 --batch-size 4 --max-new-tokens 16
+
+Same N ShareGPT prompts (the first user turn of the first N usable conversations, rendered with the
+target's chat template, prompts longer than --max-prompt-tokens skipped), greedy, same batch size,
+all in one run (after a small warm-up batch per method):
+- `flashdraft-loop`: the regenerator's batched loop over TargetModel (length-sorted batches, left
+  padding, one host sync every 8 steps);
+- `flashdraft-hf`: the regenerator's batches through `model.generate` (static cache on CUDA);
+- `transformers-generate`: plain `model.generate` (default dynamic cache) on the same prompts in
+  the given order, same batch size, left padded, stopping at the same stop ids.
+Generated tokens are counted up to and including the stop token. Prints a table and writes JSON
+(per-method tokens, seconds, tokens/s, peak GPU memory, and token agreement with plain generate).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from flashdraft.data.generate import GenerationParams, LocalGenerator, cut_at_stop  # noqa: E402
+from flashdraft.data.sources import load_conversations  # noqa: E402
+from flashdraft.data.template import ChatTemplate, stop_token_ids  # noqa: E402
+from flashdraft.target import load_target  # noqa: E402
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def plain_generate(
+    target: Any, prompts: list[list[int]], params: GenerationParams, batch_size: int
+) -> list[list[int]]:
+    """transformers' generate as a user would call it: batches in the given order, left padding."""
+    out = []
+    dev = target.device
+    for k in range(0, len(prompts), batch_size):
+        chunk = prompts[k : k + batch_size]
+        P = max(len(p) for p in chunk)
+        ids = torch.zeros((len(chunk), P), dtype=torch.long, device=dev)  # [b, P] left padded
+        attn = torch.zeros_like(ids)
+        for i, p in enumerate(chunk):
+            ids[i, P - len(p) :] = torch.tensor(p, device=dev)
+            attn[i, P - len(p) :] = 1
+        with torch.inference_mode():
+            res = target.model.generate(
+                input_ids=ids, attention_mask=attn, max_new_tokens=params.max_new_tokens, do_sample=False,
+                eos_token_id=params.stop_ids, pad_token_id=0,
+            )  # fmt: skip
+        out += [cut_at_stop(r, params.stop_ids).ids for r in res[:, P:].tolist()]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default="default")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
+    ap.add_argument("--n", type=int, default=4096, help="number of ShareGPT prompts")
+    ap.add_argument(
+        "--input", default="sharegpt", help="prompt source (flashdraft.data.sources name or path)"
+    )
+    ap.add_argument("--batch-size", type=int, default=2048)
+    ap.add_argument("--max-batch-tokens", type=int, default=None)
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--max-prompt-tokens", type=int, default=512)
+    ap.add_argument("--methods", default="flashdraft-loop,flashdraft-hf,transformers-generate")
+    ap.add_argument("--out", default=None, help="JSON file to write")
+    args = ap.parse_args()
+
+    dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    t0 = time.perf_counter()
+    target = load_target(args.target, dtype=dtype, device=args.device)
+    load_s = time.perf_counter() - t0
+    tpl = ChatTemplate(target.tokenizer)
+    stops = stop_token_ids(target.tokenizer, getattr(target.model, "generation_config", None))
+    params = GenerationParams(max_new_tokens=args.max_new_tokens, stop_ids=stops)
+
+    prompts: list[list[int]] = []
+    for conv in load_conversations(args.input, limit=4 * args.n + 100):
+        ids = tpl.prompt_ids(conv.system, [], conv.user_turns[0])
+        if len(ids) <= args.max_prompt_tokens:
+            prompts.append(ids)
+        if len(prompts) == args.n:
+            break
+    dev = target.device
+    warm = prompts[: min(8, len(prompts))]
+    results: dict[str, dict[str, Any]] = {}
+    outputs: dict[str, list[list[int]]] = {}
+    for method in args.methods.split(","):
+        if method in ("flashdraft-loop", "flashdraft-hf"):
+            gen = LocalGenerator(target, params, engine=method.split("-")[1], batch_size=args.batch_size,
+                                 max_batch_tokens=args.max_batch_tokens)  # fmt: skip
+            run = lambda ps, g=gen: [x.ids for x in g.generate(ps, seed=0)]  # noqa: E731
+        elif method == "transformers-generate":
+            run = lambda ps: plain_generate(target, ps, params, args.batch_size)  # noqa: E731
+        else:
+            raise SystemExit(f"unknown method {method!r}")
+        run(warm)  # warm-up: kernels, allocator, static-cache compile paths
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(dev)
+        _sync(dev)
+        t = time.perf_counter()
+        outs = run(prompts)
+        _sync(dev)
+        dt = time.perf_counter() - t
+        toks = sum(len(o) for o in outs)
+        outputs[method] = outs
+        results[method] = {
+            "generated_tokens": toks, "seconds": round(dt, 3), "tokens_per_s": round(toks / dt, 1),
+            "stopped": sum(1 for o in outs if o and o[-1] in stops),
+            "peak_gpu_mem_gib": round(torch.cuda.max_memory_allocated(dev) / 2**30, 2) if dev.type == "cuda" else None,
+        }  # fmt: skip
+    ref = outputs.get("transformers-generate")
+    if ref is not None:
+        for m, outs in outputs.items():
+            results[m]["identical_to_generate"] = sum(a == b for a, b in zip(outs, ref, strict=True))
+
+    meta = {
+        "target": target.name, "device": str(dev), "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else None,
+        "dtype": dtype, "n_prompts": len(prompts), "prompt_tokens": sum(len(p) for p in prompts),
+        "batch_size": args.batch_size, "max_new_tokens": args.max_new_tokens, "max_prompt_tokens": args.max_prompt_tokens,
+        "torch": torch.__version__, "transformers": __import__("transformers").__version__,
+        "python": platform.python_version(), "load_s": round(load_s, 1), "command": " ".join(["python", *sys.argv]),
+    }  # fmt: skip
+    print(f"{meta['n_prompts']} ShareGPT prompts ({meta['prompt_tokens']:,} prompt tokens), batch {args.batch_size}, "
+          f"max_new_tokens {args.max_new_tokens}, {dtype} on {meta['gpu'] or dev}")  # fmt: skip
+    print(f"{'method':24s} {'tokens':>10s} {'seconds':>9s} {'tok/s':>10s} {'same as generate':>17s}")
+    for m, r in results.items():
+        same = f"{r.get('identical_to_generate', '-')}/{len(prompts)}" if ref is not None else "-"
+        print(
+            f"{m:24s} {r['generated_tokens']:>10,} {r['seconds']:>9.2f} {r['tokens_per_s']:>10,.0f} {same:>17s}"
+        )
+    if args.out:
+        path = Path(args.out)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
+        os.replace(tmp, path)
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
