@@ -352,7 +352,7 @@ def side(stack: Stack) -> Iterator[Any]:
     made: list[tuple[Engine, BackgroundServer]] = []
 
     def make(gate: Gate, **settings: Any) -> tuple[Engine, BackgroundServer]:
-        es = EngineSettings(method="chain", model_id=MODEL, **settings)
+        es = EngineSettings(**{"method": "chain", "model_id": MODEL, **settings})
         engine = Engine(stack.target, stack.drafter, es, generate=gate)
         engine.start()
         srv = BackgroundServer(create_app(engine)).start()
@@ -446,3 +446,23 @@ def test_timeout_gives_504_and_worker_failure_gives_500(side: Any) -> None:
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
     text = httpx.get(srv.url + "/metrics").text
     assert 'kind="timeout"} 1' in text and 'kind="server_error"} 1' in text
+
+
+def test_ddtree_server_equals_generate(stack: Stack, side: Any) -> None:
+    gate = Gate(hold=0.0)
+    engine, srv = side(gate, method="ddtree", budget=4)
+    ids = stack.engine.text_prompt(PROMPT)
+    with torch.inference_mode():
+        ref = generate(
+            stack.target,
+            stack.drafter,
+            ids,
+            max_new_tokens=4,
+            method="ddtree",
+            budget=4,
+            stop_token_ids=engine.stop_ids,
+        )
+    c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    r = c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0)
+    assert r.choices[0].text == engine.decode(ref.tokens)
+    assert r.model_extra["flashdraft"]["method"] == "ddtree" and gate.results[0].budget == 4
