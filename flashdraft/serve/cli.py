@@ -53,7 +53,12 @@ def register(app: typer.Typer) -> None:
         if threads:
             torch.set_num_threads(threads)
 
-        from flashdraft.serve.app import AppSettings, create_app
+        try:
+            from flashdraft.serve.app import AppSettings, create_app
+        except ImportError as e:  # fastapi/uvicorn are optional (absent on the GPU machine)
+            raise typer.BadParameter(
+                f"flashdraft serve needs fastapi and uvicorn ({e.name} is missing): pip install 'flashdraft[serve]'"
+            ) from None
         from flashdraft.serve.protocol import Limits
         from flashdraft.serve.server import ServeOptions, build_engine, serve_forever
 

@@ -16,9 +16,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
 import pytest
 import torch
+
+pytest.importorskip("fastapi")  # the serving extras are not installed everywhere (e.g. the GPU machine)
+pytest.importorskip("uvicorn")
+import httpx  # noqa: E402
 
 from flashdraft.decode import generate
 from flashdraft.drafter import DFlashDrafter
