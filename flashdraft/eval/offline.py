@@ -296,10 +296,13 @@ def replay_batch(
                 s = pos[k][m.name]
                 rows = memo[k][s][0]
                 sampled = m.kind == "chain" and chain_rounds[k] % slot_stride == 0
-                out = (
-                    None if (sampled and not rows.complete) else accept(m, rows, _ref(toks[k], s, ends[k], b))
-                )
-                (pending.append((k, m)) if out is None else decided.append((k, m, out)))
+                shared = walks.setdefault((k, s), {})
+                ref = _ref(toks[k], s, ends[k], b)
+                out = None if (sampled and not rows.complete) else accept(m, rows, ref, shared, tree_budget)
+                if out is None:
+                    pending.append((k, m))
+                else:
+                    decided.append((k, m, out))
         if pending:
             keys = sorted({(k, pos[k][m.name]) for k, m in pending})
             todo = [(k, s) for k, s in keys if not memo[k][s][0].complete]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -195,7 +196,7 @@ def accept(
     method: Method,
     rows: DraftRows,
     ref: list[int],
-    shared: dict[str, TreeWalk] | None = None,
+    shared: dict[str, Any] | None = None,
     tree_budget: int = 0,
 ) -> Outcome | None:
     """Drafts accepted at this round start; `ref` = the reference tokens after the bonus (<= B-1 of them).
@@ -219,13 +220,18 @@ def accept(
         return Outcome(a, pred, correct[: a + 1] if not rows.complete else correct)
     if method.kind == "ddtree":
         big = max(tree_budget, method.size)
-        walk = shared.get("tree") if shared is not None and big == tree_budget else None
+        share = shared if shared is not None and big == tree_budget else None
+        if share is not None and share.get("short") == len(rows.argmax):
+            return None  # this start's tree already asked for more slots than these rows hold
+        walk = share.get("tree") if share is not None else None
         if walk is None:
             walk = tree_walk(rows, ref, big)
             if walk is None:
+                if share is not None:
+                    share["short"] = len(rows.argmax)
                 return None
-            if shared is not None and big == tree_budget:
-                shared["tree"] = walk
+            if share is not None:
+                share["tree"] = walk
         return Outcome(walk.accepted(method.size), walk.predicted(method.size))
     if method.kind == "topk":
         k = method.size
