@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 from flashdraft.drafter import DFlashDrafter, DrafterCache
 from flashdraft.eval.replay import DraftRows, Method, Outcome, accept
@@ -81,7 +82,7 @@ class DrafterRows:
     sample into one forward: block [X[s], MASK × (B−1)] at positions s..s+B−1 sees the context
     keys < s of its own sample and its own block only. The head (the target's lm_head, the
     largest cost) runs on the first `first_slots` slots; `complete` adds the rest for the
-    blocks that need them.
+    blocks that need them (`extend`, doubling the slots each time).
     """
 
     def __init__(
@@ -169,17 +170,25 @@ class DrafterRows:
         return [DraftRows(argmax[r], top_lp[r], top_ids[r], v, self.block - 1) for r in range(len(argmax))]
 
     @torch.no_grad()
-    def complete(self, partial: list[tuple[DraftRows, torch.Tensor]]) -> list[DraftRows]:
-        """The remaining slots of these blocks, in one head pass: full rows."""
-        hidden = torch.stack([h[self.first :] for _, h in partial])  # [R, B−1−first, H]
-        rest = self._head(hidden)
-        return [
-            DraftRows(
-                p.argmax + q.argmax, torch.cat([p.top_lp, q.top_lp]), torch.cat([p.top_ids, q.top_ids]),
+    def extend(self, partial: list[tuple[DraftRows, torch.Tensor]], upto: list[int]) -> list[DraftRows]:
+        """More slots for these blocks (block i up to slot upto[i]), in one head pass."""
+        have = [len(p.argmax) for p, _ in partial]
+        n = max(u - h for u, h in zip(upto, have, strict=True))
+        hidden = torch.stack(
+            [
+                F.pad(h[a : a + n], (0, 0, 0, n - len(h[a : a + n])))
+                for (_, h), a in zip(partial, have, strict=True)
+            ]
+        )  # [R, n, H]: the next n slots of each block (zero rows past the block's end are dropped below)
+        more = self._head(hidden)
+        out = []
+        for (p, _), q, a, u in zip(partial, more, have, upto, strict=True):
+            k = u - a
+            out.append(DraftRows(
+                p.argmax + q.argmax[:k], torch.cat([p.top_lp, q.top_lp[:k]]), torch.cat([p.top_ids, q.top_ids[:k]]),
                 p.vocab, p.num_slots,
-            )
-            for (p, _), q in zip(partial, rest, strict=True)
-        ]  # fmt: skip
+            ))  # fmt: skip
+        return out
 
 
 @dataclass
@@ -274,7 +283,7 @@ def replay_batch(
                           first_slots)  # fmt: skip
     slot = {k: r for r, k in enumerate(live)}  # sample -> its row in the drafter batch
     pos = {k: {m.name: items[k].prompt_len for m in methods} for k in live}
-    memo: dict[int, dict[int, tuple[DraftRows, torch.Tensor | None]]] = {k: {} for k in live}
+    memo: dict[int, dict[int, tuple[DraftRows, torch.Tensor]]] = {k: {} for k in live}
     walks: dict[tuple[int, int], dict] = {}  # (sample, start) -> the start's shared tree walk
     tree_budget = max((m.size for m in methods if m.kind == "ddtree"), default=0)
     chain_rounds = dict.fromkeys(live, 0)
@@ -303,20 +312,31 @@ def replay_batch(
                     pending.append((k, m))
                 else:
                     decided.append((k, m, out))
-        if pending:
+        while pending:
+            # the head on more slots (doubling) for the starts whose rounds are still undecided
             keys = sorted({(k, pos[k][m.name]) for k, m in pending})
             todo = [(k, s) for k, s in keys if not memo[k][s][0].complete]
-            if todo:
-                full = rows_of.complete([memo[k][s] for k, s in todo])  # type: ignore[misc]
-                for (k, s), fr in zip(todo, full, strict=True):
-                    memo[k][s] = (fr, None)
+            assert todo, "complete rows always decide"
+            upto = [min(2 * len(memo[k][s][0].argmax), b - 1) for k, s in todo]
+            grown = rows_of.extend([memo[k][s] for k, s in todo], upto)  # type: ignore[misc]
+            for (k, s), rows in zip(todo, grown, strict=True):
+                memo[k][s] = (rows, memo[k][s][1])
+            still: list[tuple[int, Method]] = []
             for k, m in pending:
                 s = pos[k][m.name]
-                out = accept(
-                    m, memo[k][s][0], _ref(toks[k], s, ends[k], b), walks.setdefault((k, s), {}), tree_budget
+                rows = memo[k][s][0]
+                sampled = m.kind == "chain" and chain_rounds[k] % slot_stride == 0
+                ref = _ref(toks[k], s, ends[k], b)
+                out = (
+                    None
+                    if (sampled and not rows.complete)
+                    else accept(m, rows, ref, walks.setdefault((k, s), {}), tree_budget)
                 )
-                assert out is not None, "complete rows always decide"
-                decided.append((k, m, out))
+                if out is None:
+                    still.append((k, m))
+                else:
+                    decided.append((k, m, out))
+            pending = still
         for k, m, out in decided:
             s = pos[k][m.name]
             res = results[k]
