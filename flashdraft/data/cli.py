@@ -1,6 +1,6 @@
 """`flashdraft data …`: regenerate a training set with the target, inspect it, list sources.
 
-flashdraft data regenerate --input sharegpt --limit 8 --max-new-tokens 32 --out /tmp/regen-demo
+flashdraft data regenerate --input sharegpt --limit 4 --max-length 512 --max-new-tokens 32 --out /tmp/regen-demo
 flashdraft data inspect /tmp/regen-demo
 flashdraft data sources
 """

@@ -67,6 +67,14 @@ def _choose(logits: torch.Tensor, params: GenerationParams, gen: torch.Generator
     return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
 
 
+def _left_pad(prompts: list[list[int]], width: int, pad: int) -> torch.Tensor:
+    """[b, width] on the host (one copy to the device later, not one per row)."""
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+    return ids
+
+
 @torch.inference_mode()
 def loop_generate(
     target: TargetModel, prompts: list[list[int]], params: GenerationParams, seed: int, sync_every: int = 8
@@ -77,9 +85,7 @@ def loop_generate(
     lens = torch.tensor([len(p) for p in prompts], device=dev)  # [b]
     P = int(lens.max())
     pad = 0
-    ids = torch.full((b, P), pad, dtype=torch.long, device=dev)  # [b, P] left padded
-    for i, p in enumerate(prompts):
-        ids[i, P - len(p) :] = torch.tensor(p, device=dev)
+    ids = _left_pad(prompts, P, pad).to(dev)  # [b, P]
     attn = torch.zeros(
         (b, P + params.max_new_tokens), dtype=torch.long, device=dev
     )  # [b, P + N] preallocated
@@ -119,17 +125,18 @@ def hf_generate(
     from transformers import GenerationConfig
 
     dev = target.device
-    b, P = len(prompts), max(len(p) for p in prompts)
-    ids = torch.zeros((b, P), dtype=torch.long, device=dev)  # [b, P] left padded
-    attn = torch.zeros((b, P), dtype=torch.long, device=dev)
-    for i, p in enumerate(prompts):
-        ids[i, P - len(p) :] = torch.tensor(p, device=dev)
-        attn[i, P - len(p) :] = 1
+    P = max(len(p) for p in prompts)
+    ids = _left_pad(prompts, P, 0).to(dev)  # [b, P]
+    lens = torch.tensor([len(p) for p in prompts], device=dev)  # [b]
+    attn = (torch.arange(P, device=dev)[None, :] >= (P - lens)[:, None]).long()  # [b, P] 1 on real tokens
     cfg = GenerationConfig(
         max_new_tokens=params.max_new_tokens, do_sample=params.temperature > 0,
         temperature=params.temperature if params.temperature > 0 else None, top_p=params.top_p if params.temperature > 0 else None,
         top_k=None, eos_token_id=params.stop_ids or None, pad_token_id=0,
         cache_implementation="static" if dev.type == "cuda" else None,
+        # generate auto-compiles (CUDA graphs) with a static cache; that fails in transformers 5.17
+        # (DESIGN §7: CUDA-graph output overwritten), so keep the static cache eager
+        disable_compile=True,
     )  # fmt: skip
     torch.manual_seed(seed)
     out = target.model.generate(input_ids=ids, attention_mask=attn, generation_config=cfg)  # [b, P + n]

@@ -14,7 +14,7 @@ more rows than a shard has active conversations, so keep `--shard-size` >= `--ba
 
 A small CPU run:
 
-    flashdraft data regenerate --input humaneval --limit 4 --max-new-tokens 32 --out /tmp/regen-demo
+    flashdraft data regenerate --input sharegpt --limit 4 --max-length 512 --max-new-tokens 32 --out /tmp/regen-demo
 
 Each user turn is answered given the regenerated history, rendered with the target's chat template
 exactly as a server renders it (template.py). Conversations are processed in shards of
