@@ -53,6 +53,9 @@ def register(app: typer.Typer) -> None:
         concurrency: int = typer.Option(64, help="client mode: requests in flight"),
         retries: int = typer.Option(5, help="client mode: retries per request"),
         max_bad_fraction: float = typer.Option(0.1, help="stop when more input records than this are bad"),
+        contamination: list[str] = typer.Option(
+            ["humaneval"], help="eval sources whose word 13-grams drop training samples; 'none' to disable"
+        ),
         seed: int = typer.Option(0),
         overwrite: bool = typer.Option(False, help="replace an existing dataset at --out"),
     ) -> None:
@@ -70,6 +73,7 @@ def register(app: typer.Typer) -> None:
             top_p=top_p, thinking=thinking, limit=limit, shard_size=shard_size, max_length=max_length,
             block_size=block_size, eval_fraction=eval_fraction, split_turns=split_turns,
             max_bad_fraction=max_bad_fraction, seed=seed,
+            contamination_sources=[c for c in contamination if c != "none"],
         )  # fmt: skip
         if server:
             tok = load_tokenizer(target)

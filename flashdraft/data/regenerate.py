@@ -235,6 +235,12 @@ def regenerate(
         tmp.write_text(json.dumps(fp, indent=2))
         os.replace(tmp, fp_file)
 
+    for spec in cfg.inputs:
+        if spec.partition(":")[0] in cfg.contamination_sources:
+            log.warning(
+                "input %r is also a contamination source: its samples will be dropped from train "
+                "(pass --contamination none to keep them)", spec,
+            )  # fmt: skip
     convs, drops, stats = collect_conversations(cfg)
     if not convs:
         raise ValueError(f"no usable conversations in {cfg.inputs}")

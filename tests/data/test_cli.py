@@ -37,6 +37,8 @@ def test_regenerate_then_inspect(tmp_path):
         "4",
         "--eval-fraction",
         "0.3",
+        "--contamination",
+        "none",
     ]
     r = runner.invoke(app, args)
     assert r.exit_code == 0, r.output
@@ -44,6 +46,7 @@ def test_regenerate_then_inspect(tmp_path):
     m = json.loads((out / "manifest.json").read_text())
     assert m["counts"]["train"] + m["counts"]["eval"] == 6 and m["engine"] == "hf"
     assert m["command"].startswith("flashdraft")
+    assert m["filters"]["contamination"]["sources"] == ["eval_split"]  # humaneval check switched off
     r = runner.invoke(app, args)  # the dataset exists: refused, not overwritten
     assert r.exit_code != 0 and "already exists" in str(r.exception)
 
