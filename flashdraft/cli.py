@@ -35,6 +35,7 @@ _AREAS = [
     "flashdraft.eval.cli",
     "flashdraft.decode.cli",
     "flashdraft.serve.cli",
+    "flashdraft.quickstart",
 ]
 
 for _mod in _AREAS:

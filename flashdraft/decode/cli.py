@@ -65,6 +65,9 @@ def register(app: typer.Typer) -> None:
         attn: str = typer.Option(
             "sdpa", help="target attention: sdpa | eager (ddtree cannot use flash-attention)"
         ),
+        engine: str = typer.Option(
+            "auto", help="auto (the CUDA-graph engine on CUDA, the reference decoder on CPU) | fast | reference"
+        ),
     ) -> None:
         """Generate one completion with DFlash speculative decoding and print a summary line."""
         import torch
@@ -115,6 +118,10 @@ def register(app: typer.Typer) -> None:
             else:
                 ids = tok(prompt, return_tensors="pt")["input_ids"][0]
         stop = [] if ignore_eos or tok is None else _stop_ids(tok, t.model)
+        if engine not in ("auto", "fast", "reference"):
+            raise typer.BadParameter(f"unknown engine {engine!r}: use auto, fast or reference", param_hint="--engine")
+        if engine == "fast" or (engine == "auto" and t.device.type == "cuda"):
+            from flashdraft.decode.engine import generate as run_generate  # noqa: F811  (same signature, token-identical)
         try:
             res = run_generate(
                 t, d, ids, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,

@@ -1,0 +1,145 @@
+"""`flashdraft quickstart`: the whole loop on the embedded default target, with flashdraft's own commands.
+
+    flashdraft quickstart                       # CPU, about 20 minutes on 2 cores
+    flashdraft quickstart --device cuda         # larger sizes on a GPU
+
+Stages (each one a real `flashdraft` command, printed before it runs, with its own progress bar):
+1. data:     the target (SmolLM2-135M-Instruct) regenerates answers to ShareGPT prompts;
+2. features: the selected target layers' outputs are dumped once (offline mode), so training
+             epochs do not rerun the target;
+3. train:    a small drafter is trained from scratch on them;
+4. eval:     exact offline τ (chain, DDTree budgets, top-k streak) on held-out ShareGPT prompts
+             and on HumanEval (published wording), side by side with the shipped drafter in
+             `models/` when there is one; a Markdown table, JSON and plots in WORK/report-*.
+
+The sizes are chosen to finish on a 2-core CPU, so the drafter is small and briefly trained:
+it shows the loop works and that training moves τ above 1, not what a GPU-trained drafter reaches.
+"""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import typer
+
+CONFIG = Path(__file__).resolve().parents[1] / "configs" / "smollm2-b16.yaml"
+SHIPPED = Path(__file__).resolve().parents[1] / "models" / "smollm2-135m-instruct-dflash-b16"
+
+
+@dataclass
+class QuickstartSizes:
+    prompts: int  # ShareGPT conversations regenerated (first user turn each)
+    max_new_tokens: int  # per regenerated answer
+    regen_batch: int
+    max_length: int  # tokens per training sample
+    layers: int  # drafter depth
+    block_size: int
+    steps: int  # optimizer steps
+    token_budget: int  # target tokens per micro-batch
+    max_anchors: int  # blocks per document per step
+    lr: float
+    eval_prompts: int  # held-out ShareGPT prompts and HumanEval problems, each
+    eval_tokens: int  # reference length
+    budgets: str
+
+
+SIZES = {
+    # measured to fit ~20 minutes on a 2-core CPU (see benchmarks/RESULTS.md)
+    "cpu": QuickstartSizes(prompts=160, max_new_tokens=128, regen_batch=32, max_length=384, layers=1, block_size=16,
+                           steps=150, token_budget=2048, max_anchors=48, lr=2e-3, eval_prompts=12, eval_tokens=96,
+                           budgets="8,32"),  # fmt: skip
+    "cuda": QuickstartSizes(prompts=4000, max_new_tokens=384, regen_batch=512, max_length=1024, layers=5,
+                            block_size=16, steps=1500, token_budget=16384, max_anchors=256, lr=6e-4, eval_prompts=50,
+                            eval_tokens=256, budgets="8,16,32,64,128,256,512"),  # fmt: skip
+}
+
+
+def _run(args: list[str], log: list[str]) -> None:
+    cmd = [sys.executable, "-m", "flashdraft.cli", *args]
+    line = "flashdraft " + " ".join(shlex.quote(a) for a in args)
+    typer.secho(f"\n$ {line}", bold=True)
+    log.append(line)
+    t0 = time.perf_counter()
+    rc = subprocess.call(cmd)
+    if rc != 0:
+        raise typer.Exit(f"quickstart: stage failed (exit {rc}): {line}")  # type: ignore[arg-type]
+    typer.echo(f"  ({time.perf_counter() - t0:.0f} s)")
+
+
+def write_first_turns(path: Path, n: int) -> None:
+    """The first user turn of the first `n` ShareGPT conversations, as a prompts JSONL (one answer each:
+    regenerating every turn of a conversation costs ~3.5× more on a CPU budget)."""
+    import json
+
+    from flashdraft.data.sources import load_conversations
+
+    rows = []
+    for c in load_conversations("sharegpt", limit=n):
+        user = next((t.content for t in c.turns if t.role == "user"), None)
+        if user:
+            rows.append(json.dumps({"id": c.id, "prompt": user}))
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("\n".join(rows) + "\n")
+    tmp.replace(path)
+
+
+def register(app: typer.Typer) -> None:
+    @app.command()
+    def quickstart(
+        work: Path = typer.Option(Path("quickstart"), help="folder for the data, run and reports"),
+        device: str = typer.Option("cpu", help="cpu | cuda (cuda scales the sizes up)"),
+        prompts: int | None = typer.Option(None, help="override: ShareGPT prompts to regenerate"),
+        steps: int | None = typer.Option(None, help="override: optimizer steps"),
+        threads: int | None = typer.Option(None, help="torch CPU threads for every stage"),
+    ) -> None:
+        """Regenerate data, train a small drafter and evaluate it on the default target (SmolLM2)."""
+        import os
+
+        sizes = SIZES["cuda" if device.startswith("cuda") else "cpu"]
+        if prompts is not None:
+            sizes.prompts = prompts
+        if steps is not None:
+            sizes.steps = steps
+        if threads is not None:
+            os.environ["OMP_NUM_THREADS"] = str(threads)
+        work.mkdir(parents=True, exist_ok=True)
+        data, feats, run = work / "data", work / "features", work / "run"
+        dtype = "bfloat16" if device.startswith("cuda") else "float32"
+        log: list[str] = []
+        t0 = time.perf_counter()
+        typer.secho(f"quickstart in {work}/ on {device}: {sizes}", fg="cyan")
+        if not (data / "manifest.json").is_file():
+            first_turns = work / "prompts.jsonl"
+            write_first_turns(first_turns, sizes.prompts)
+            _run(["data", "regenerate", "--input", f"prompts:{first_turns}",
+                  "--max-new-tokens", str(sizes.max_new_tokens), "--batch-size", str(sizes.regen_batch),
+                  "--max-length", str(sizes.max_length), "--block-size", str(sizes.block_size),
+                  "--eval-fraction", "0.1", "--device", device, "--dtype", dtype, "--out", str(data)], log)  # fmt: skip
+        if not (feats / "manifest.json").is_file():
+            _run(["features", "dump", "--dataset", str(data), "--out", str(feats), "--drafter-layers", str(sizes.layers),
+                  "--max-length", str(sizes.max_length), "--token-budget", str(sizes.token_budget),
+                  "--dtype", "float32" if dtype == "float32" else "bfloat16", "--device", device], log)  # fmt: skip
+        overrides = [
+            f"run_dir={run}", f"data.dataset={data}", f"data.max_length={sizes.max_length}",
+            f"data.token_budget={sizes.token_budget}", f"data.max_anchors={sizes.max_anchors}",
+            f"model.num_layers={sizes.layers}", f"model.block_size={sizes.block_size}",
+            f"optim.max_steps={sizes.steps}", f"optim.lr={sizes.lr}", f"checkpoint.every={sizes.steps}",
+            "pipeline.mode=offline", f"pipeline.features_dir={feats}", f"runtime.device={device}",
+        ]  # fmt: skip
+        if not list(run.glob(f"checkpoints/step-{sizes.steps:08d}")):
+            _run(["train", str(CONFIG), *overrides, *(["--resume"] if run.exists() else [])], log)
+        drafters = ["--drafter", str(run)]
+        if SHIPPED.is_dir():
+            drafters += ["--drafter", str(SHIPPED)]
+        for name, dataset in (("sharegpt-heldout", str(data)), ("humaneval", "humaneval")):
+            _run(["eval", "--target", "default", *drafters, "--dataset", dataset,
+                  "--limit", str(sizes.eval_prompts), "--max-new-tokens", str(sizes.eval_tokens),
+                  "--budgets", sizes.budgets, "--device", device, "--out", str(work / f"report-{name}")], log)  # fmt: skip
+        (work / "COMMANDS.md").write_text("# quickstart commands\n\n" + "\n".join(f"    {c}" for c in log) + "\n")
+        typer.secho(f"\nquickstart done in {(time.perf_counter() - t0) / 60:.1f} min; reports in {work}/report-*",
+                    fg="green")  # fmt: skip
