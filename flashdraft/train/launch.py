@@ -179,6 +179,13 @@ def train(
             attention = "flex" if device.type == "cuda" else "dense"
         model: Any = wrap_drafter(drafter, cfg.distributed.strategy, ctx)  # before the optimizer (FSDP2)
         if cfg.runtime.compile and device.type == "cuda":
+            # Hazard (H200, torch 2.11, 2026-12-02): inductor's coalesced-tiling analysis hit an
+            # assertion when a new batch shape triggered a dynamic-shape recompile after step 80
+            # (benchmarks/RESULTS.md). It is an optional tiling heuristic: turn it off.
+            import torch._inductor.config as inductor_config
+
+            if hasattr(inductor_config.triton, "coalesce_tiling_analysis"):
+                inductor_config.triton.coalesce_tiling_analysis = False
             model = torch.compile(model)  # compiles flex_attention with it; eager flex is slow on GPU
         providers: list[Any] = [source.take_stats]
         if cfg.telemetry.gpu and device.type == "cuda" and ctx.is_main:
