@@ -6,7 +6,6 @@ compared with a chi-square test; as a control, the same test must tell greedy re
 
 from __future__ import annotations
 
-import pytest
 import torch
 from scipy.stats import chi2_contingency
 
@@ -29,7 +28,6 @@ def _p_same(a: list[int], b: list[int]) -> float:
     return float(chi2_contingency([[a[i] for i in cols], [b[i] for i in cols]])[1])
 
 
-@pytest.mark.slow  # ~45 s on 2 idle cores: 80 sampled generations + 2 evaluations
 def test_sampled_replay_matches_online_distribution(tmp_path) -> None:
     target = tiny_target("qwen3", vocab=12)  # few tokens: random drafts are often sampled by the target
     drafter = tiny_drafter(target, block_size=BLOCK)
