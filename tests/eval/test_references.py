@@ -153,3 +153,29 @@ def test_batched_greedy_references_match_single(tmp_path) -> None:
     assert many.computed == len(prompts)  # a different source ("local-batched"), a different cache key
     assert [r.tokens for r in many.references] == [r.tokens for r in one.references]
     assert {r.source for r in many.references} == {"local-batched"}
+
+
+def test_local_divergences_are_counted_not_cut(tmp_path) -> None:
+    """A local reference that differs from the teacher-forced argmax (a float near-tie flip, simulated
+    here) is kept whole, and the divergence is reported with its position and top-2 margin."""
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target)
+    refs = compute_references(
+        target, PROMPTS, ReferenceSettings(16, stop_token_ids=[]), cache_dir=tmp_path, progress=False
+    ).references
+    refs[2].tokens[15] = (refs[2].tokens[15] + 1) % 97  # the last token: no later position is affected
+    report = evaluate(
+        target,
+        {"d": drafter},
+        PROMPTS,
+        budgets=[4],
+        topk=2,
+        max_new_tokens=16,
+        references=refs,
+        progress=False,
+    )
+    st = report.references
+    assert st.truncated_samples == 0 and st.tokens == 48
+    assert st.checked == 48 and st.agreed == 47
+    assert [(d["id"], d["index"]) for d in st.divergences] == [("p2", 15)] and st.divergences[0]["margin"] > 0
+    assert any("differ from the teacher-forced argmax" in n for n in report.notes)
