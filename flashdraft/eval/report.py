@@ -227,7 +227,7 @@ def plot_watch_log(log_path: str | Path, path: str | Path) -> Path | None:
             steps, [r.get("tau_ddtree", {}).get(str(b)) for r in rows], ".-", label=f"DDTree-{b}", alpha=0.8
         )
     ax.set_xlabel("training step")
-    ax.set_ylabel("τ (offline, T=0)")
+    ax.set_ylabel("τ (offline replay)")
     ax.set_title("τ over training", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
