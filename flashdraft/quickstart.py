@@ -51,7 +51,7 @@ class QuickstartSizes:
 SIZES = {
     # measured to fit ~20 minutes on a 2-core CPU (see benchmarks/RESULTS.md)
     "cpu": QuickstartSizes(prompts=160, max_new_tokens=128, regen_batch=32, max_length=384, layers=1, block_size=16,
-                           steps=150, token_budget=2048, max_anchors=48, lr=2e-3, eval_prompts=12, eval_tokens=96,
+                           steps=160, token_budget=2048, max_anchors=8, lr=2e-3, eval_prompts=12, eval_tokens=96,
                            budgets="8,32"),  # fmt: skip
     "cuda": QuickstartSizes(prompts=4000, max_new_tokens=384, regen_batch=512, max_length=1024, layers=5,
                             block_size=16, steps=1500, token_budget=16384, max_anchors=256, lr=6e-4, eval_prompts=50,
