@@ -96,7 +96,8 @@ def sharegpt_heldout(target: Any, limit: int | None) -> list[EvalPrompt]:
 
     return _from_conversations(
         target, "sharegpt", limit, f"sharegpt held-out split ({HELDOUT_FRACTION:g})",
-        lambda c: split_of(c.id, HELDOUT_FRACTION) == "eval",
+        # the data pipeline's split key: the chat a ShareGPT part was cut from ("X" for "X_0"), else the id
+        lambda c: split_of(getattr(c, "group", None) or c.id, HELDOUT_FRACTION) == "eval",
     )  # fmt: skip
 
 
