@@ -73,6 +73,21 @@ def build_tree(draft_logits: torch.Tensor, budget: int) -> Tree:
     lp_rows: list[list[float]] = top_lp.tolist()
     id_rows: list[list[int]] = top_ids.tolist()
 
+    return best_first(lp_rows, id_rows, budget, num_slots, device=device)  # type: ignore[return-value]
+
+
+def best_first(
+    lp_rows: list[list[float]],  # [S][k] per-slot top-k log-probs, sorted descending (S <= num_slots)
+    id_rows: list[list[int]],  # [S][k] their token ids
+    budget: int,
+    num_slots: int,
+    device: torch.device | str = "cpu",
+) -> Tree | None:
+    """The heap search behind `build_tree`, over per-slot top-k lists (the eval replay calls it
+    with stored top-k). Only the first S = len(lp_rows) slots may be given: the result is None
+    when the tree takes a node at slot S and so would need slot S+1."""
+    have = len(lp_rows)
+    k = len(lp_rows[0]) if have else 0
     tokens: list[int] = []
     parents: list[int] = [-1]
     depths: list[int] = []
@@ -80,7 +95,7 @@ def build_tree(draft_logits: torch.Tensor, budget: int) -> Tree:
     ranks: list[int] = []
     children: list[dict[int, int]] = [{}]
     # heap entry: (-score, depth, rank, parent node, parent score); the first four order the nodes
-    heap: list[tuple[float, int, int, int, float]] = [(-lp_rows[0][0], 1, 0, 0, 0.0)]
+    heap: list[tuple[float, int, int, int, float]] = [(-lp_rows[0][0], 1, 0, 0, 0.0)] if budget and k else []
     while heap and len(tokens) < budget:
         neg, depth, rank, parent, parent_score = heapq.heappop(heap)
         node = len(parents)
@@ -96,6 +111,8 @@ def build_tree(draft_logits: torch.Tensor, budget: int) -> Tree:
             s = parent_score + lp_rows[depth - 1][rank + 1]
             heapq.heappush(heap, (-s, depth, rank + 1, parent, parent_score))
         if depth < num_slots:  # first child: the best token of the next slot
+            if depth >= have:
+                return None  # a node at the last given slot was taken: its first child needs the next slot
             s = -neg + lp_rows[depth][0]
             heapq.heappush(heap, (-s, depth + 1, 0, node, -neg))
     return Tree(

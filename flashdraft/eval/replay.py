@@ -17,13 +17,12 @@ Method names (never confuse the last two — DESIGN.md §3):
 
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from flashdraft.tree import Tree
+from flashdraft.tree import Tree, best_first
 
 
 @dataclass(frozen=True)
@@ -106,41 +105,7 @@ def build_tree_from_topk(
     k = min(budget, width)
     if budget > width and width != vocab:
         raise ValueError(f"budget {budget} needs the top-{budget} per slot, only {width} were stored")
-    lp = top_lp[:, :k].tolist()
-    ids = top_ids[:, :k].tolist()
-    tokens: list[int] = []
-    parents: list[int] = [-1]
-    depths: list[int] = []
-    scores: list[float] = []
-    ranks: list[int] = []
-    children: list[dict[int, int]] = [{}]
-    # entry: (-score, depth, rank, parent, parent score)
-    heap: list[tuple[float, int, int, int, float]] = [(-lp[0][0], 1, 0, 0, 0.0)] if budget and have else []
-    while heap and len(tokens) < budget:
-        neg, depth, rank, parent, base = heapq.heappop(heap)
-        node = len(parents)
-        tok = ids[depth - 1][rank]
-        tokens.append(tok)
-        parents.append(parent)
-        depths.append(depth)
-        scores.append(-neg)
-        ranks.append(rank)
-        children.append({})
-        children[parent][tok] = node
-        if rank + 1 < k:
-            heapq.heappush(heap, (-(base + lp[depth - 1][rank + 1]), depth, rank + 1, parent, base))
-        if depth < num_slots:
-            if depth >= have:
-                return None  # a node at the last computed slot was taken: its first child needs the next slot
-            heapq.heappush(heap, (-(-neg + lp[depth][0]), depth + 1, 0, node, -neg))
-    return Tree(
-        tokens=torch.tensor(tokens, dtype=torch.long),
-        parents=parents,
-        depths=torch.tensor(depths, dtype=torch.long),
-        log_probs=torch.tensor(scores, dtype=torch.float32),
-        slot_ranks=torch.tensor(ranks, dtype=torch.long),
-        children=children,
-    )
+    return best_first(top_lp[:, :k].tolist(), top_ids[:, :k].tolist(), budget, num_slots)
 
 
 def _surrogate_chain(lps: list[float], complete: bool) -> float | None:
