@@ -102,14 +102,19 @@ class MetricsLogger:
             self._wandb.finish()
 
 
-def read_metrics(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """All logged lines of a run (lines cut by a kill are skipped)."""
-    path = Path(run_dir) / METRICS_FILE
+def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Every object of a JSONL log (a missing file is empty; lines cut by a kill are skipped)."""
     out = []
-    if path.is_file():
-        for line in path.read_text().splitlines():
+    p = Path(path)
+    if p.is_file():
+        for line in p.read_text().splitlines():
             try:
                 out.append(json.loads(line))
             except json.JSONDecodeError:
                 continue
     return out
+
+
+def read_metrics(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """All logged lines of a run."""
+    return read_jsonl(Path(run_dir) / METRICS_FILE)

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from flashdraft.train.checkpoint import STATE_JSON, list_checkpoints, step_of
-from flashdraft.train.metrics import read_metrics
+from flashdraft.train.metrics import read_jsonl, read_metrics
 
 STATUS_FILE = "STATUS.md"
 STARVED = 0.05  # consumer wait fraction above which the queue is reported unhealthy (pipeline default)
@@ -62,17 +62,6 @@ class RunSummary:
         return max(0, self.total_steps - self.step) * self.step_time_s
 
 
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    out = []
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue  # a line cut by a kill
-    return out
-
-
 def _read_config(run: Path) -> tuple[dict[str, Any], str]:
     path = run / "config.yaml"
     if not path.is_file():
@@ -101,7 +90,7 @@ def summarize(run: str | os.PathLike[str]) -> RunSummary:
     recent = [m for m in metrics[-10:] if isinstance(m.get("step_time_s"), (int, float))]
     step_time = sum(m["step_time_s"] for m in recent) / len(recent) if recent else None
     tps = [m["tokens_per_s"] for m in metrics[-10:] if isinstance(m.get("tokens_per_s"), (int, float))]
-    evals = {int(e["step"]): e for e in _read_jsonl(run / "eval" / "log.jsonl") if "step" in e}
+    evals = {int(e["step"]): e for e in read_jsonl(run / "eval" / "log.jsonl") if "step" in e}
     ckpts = [CheckpointInfo(p, step_of(p), evals.get(step_of(p))) for p in list_checkpoints(run)]
     state: dict[str, Any] = {}
     if ckpts:
