@@ -67,7 +67,8 @@ def _run(args: list[str], log: list[str]) -> None:
     t0 = time.perf_counter()
     rc = subprocess.call(cmd)
     if rc != 0:
-        raise typer.Exit(f"quickstart: stage failed (exit {rc}): {line}")  # type: ignore[arg-type]
+        typer.secho(f"quickstart: stage failed (exit {rc}): {line}", fg="red", err=True)
+        raise typer.Exit(rc)
     typer.echo(f"  ({time.perf_counter() - t0:.0f} s)")
 
 
