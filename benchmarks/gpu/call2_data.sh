@@ -9,7 +9,7 @@ timeout 100 python3 benchmarks/train_throughput.py --target $TARGET --steps 30 -
   --json $OUT/train_throughput.json 2>&1 | tail -25
 timeout 150 python3 benchmarks/regen_throughput.py --target $TARGET --input $PROMPTS --n 2048 --batch-size 1024 \
   --max-new-tokens 256 --methods flashdraft-loop,transformers-generate --out $OUT/regen_throughput.json 2>&1 | tail -12
-timeout ${REGEN_SECONDS:-300} python3 -m flashdraft.cli data regenerate --target $TARGET --input $PROMPTS \
+timeout ${REGEN_SECONDS:-420} python3 -m flashdraft.cli data regenerate --target $TARGET --input $PROMPTS \
   --out /root/work/data --device cuda --dtype bfloat16 --batch-size 1024 --max-new-tokens 384 \
-  --limit ${REGEN_LIMIT:-12000} --shard-size 1024 --seed 0 2>&1 | tr '\r' '\n' | tee $OUT/regen.log | tail -15
+  --limit ${REGEN_LIMIT:-2048} --shard-size 1024 --seed 0 2>&1 | tr '\r' '\n' | tee $OUT/regen.log | tail -15
 cp /root/work/data/manifest.json $OUT/ 2>/dev/null || ls /root/work/data.partial | tail -3

@@ -5,7 +5,7 @@ set -uo pipefail
 source benchmarks/gpu/env.sh
 STEPS=${1:?optimizer steps}
 timeout ${TRAIN_SECONDS:-540} python3 -m flashdraft.cli train configs/smollm2-b16.yaml run_dir=/root/work/run \
-  model.target=$TARGET data.dataset=/root/work/data optim.max_steps=$STEPS checkpoint.every=100000 \
+  model.target=$TARGET data.dataset=/root/work/data optim.max_steps=$STEPS checkpoint.every=${CKPT_EVERY:-200} \
   telemetry.progress=false 2>&1 | tail -40
 ck=$(ls -d /root/work/run/checkpoints/step-* | tail -1)
 # files come back at <= 16 MiB each: save the drafter in bf16 (as releases are) and split it
