@@ -106,6 +106,16 @@ def _plt():  # type: ignore[no-untyped-def]
     return plt
 
 
+def _save(fig, path: str | Path) -> Path:  # type: ignore[no-untyped-def]
+    """Write a finished figure as PNG (folder created) and free it."""
+    path = Path(path)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    _plt().close(fig)
+    return path
+
+
 def plot_tau(report: EvalReport, path: Path) -> Path:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 4.2))
@@ -143,10 +153,7 @@ def plot_tau(report: EvalReport, path: Path) -> Path:
     )
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="best")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def plot_slots(report: EvalReport, path: Path) -> Path:
@@ -169,10 +176,7 @@ def plot_slots(report: EvalReport, path: Path) -> Path:
     ax.set_title("Per-slot accuracy (chain rounds)", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def plot_histograms(report: EvalReport, path: Path) -> Path:
@@ -191,10 +195,7 @@ def plot_histograms(report: EvalReport, path: Path) -> Path:
         ax.set_ylabel("fraction of rounds")
         ax.set_title(f"Acceptance histogram: {m}", fontsize=10)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def write_report(report: EvalReport, out_dir: str | Path, stem: str = "report") -> ReportFiles:
@@ -231,8 +232,4 @@ def plot_watch_log(log_path: str | Path, path: str | Path) -> Path | None:
     ax.set_title("τ over training", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return Path(path)
+    return _save(fig, path)
