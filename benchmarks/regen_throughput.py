@@ -12,6 +12,8 @@ A CPU check with a handful of prompts:
 Same N ShareGPT prompts (the first user turn of the first N usable conversations, rendered with the
 target's chat template, prompts longer than --max-prompt-tokens skipped), greedy, same batch size,
 all in one run (after a small warm-up batch per method):
+- `flashdraft-native`: the regenerator's default GPU engine: continuous batching over a static KV cache
+  on the target's own layers (`--batch-size` rows decode together, finished rows are refilled);
 - `flashdraft-loop`: the regenerator's batched loop over TargetModel (length-sorted batches, left
   padding, one host sync every 8 steps);
 - `flashdraft-hf`: the regenerator's batches through `model.generate` (static cache on CUDA);
@@ -83,7 +85,7 @@ def main() -> None:
     ap.add_argument("--max-batch-tokens", type=int, default=None)
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--max-prompt-tokens", type=int, default=512)
-    ap.add_argument("--methods", default="flashdraft-loop,flashdraft-hf,transformers-generate")
+    ap.add_argument("--methods", default="flashdraft-native,transformers-generate")
     ap.add_argument("--out", default=None, help="JSON file to write")
     args = ap.parse_args()
 
@@ -107,7 +109,7 @@ def main() -> None:
     results: dict[str, dict[str, Any]] = {}
     outputs: dict[str, list[list[int]]] = {}
     for method in args.methods.split(","):
-        if method in ("flashdraft-loop", "flashdraft-hf"):
+        if method in ("flashdraft-native", "flashdraft-loop", "flashdraft-hf"):
             gen = LocalGenerator(target, params, engine=method.split("-")[1], batch_size=args.batch_size,
                                  max_batch_tokens=args.max_batch_tokens)  # fmt: skip
             run = lambda ps, g=gen: [x.ids for x in g.generate(ps, seed=0)]  # noqa: E731
@@ -130,6 +132,8 @@ def main() -> None:
             "stopped": sum(1 for o in outs if o and o[-1] in stops),
             "peak_gpu_mem_gib": round(torch.cuda.max_memory_allocated(dev) / 2**30, 2) if dev.type == "cuda" else None,
         }  # fmt: skip
+        # print as each method finishes, so a run cut short by a time limit still reports
+        print(f"{method}: {toks:,} tokens in {dt:.2f} s = {toks / dt:,.0f} tok/s", flush=True)
     ref = outputs.get("transformers-generate")
     if ref is not None:
         for m, outs in outputs.items():

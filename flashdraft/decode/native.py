@@ -54,6 +54,14 @@ def native_support_error(target: TargetModel) -> str | None:
     return None
 
 
+def attention_geometry(target: TargetModel) -> tuple[int, int, int]:
+    """(query heads, kv heads, head dim) of a native-family target."""
+    cfg = target.config
+    n_heads = int(cfg.num_attention_heads)
+    n_kv = int(getattr(cfg, "num_key_value_heads", None) or n_heads)
+    return n_heads, n_kv, int(getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads)
+
+
 @dataclass
 class NativeOutput:
     logits: torch.Tensor | None  # [q, V]
@@ -63,6 +71,24 @@ class NativeOutput:
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     # x [1, heads, q, hd]; cos/sin [1, 1, q, hd]
     return x * cos + rotate_half(x) * sin
+
+
+def _target_qkv(
+    layer: torch.nn.Module, h: torch.Tensor, n_heads: int, n_kv: int, head_dim: int, cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """One HF decoder layer's attention inputs: h [b, q, H] → q [b, heads, q, hd], k and v [b, kv, q, hd],
+    RoPE applied (cos/sin [b, 1, q, hd]); Qwen3's per-head QK-norm before RoPE, biases inside the projections."""
+    attn = layer.self_attn
+    b, q_len, _ = h.shape
+    x = layer.input_layernorm(h)
+    q = attn.q_proj(x).view(b, q_len, n_heads, head_dim)  # [b, q, heads, hd]
+    k = attn.k_proj(x).view(b, q_len, n_kv, head_dim)
+    v = attn.v_proj(x).view(b, q_len, n_kv, head_dim)
+    if hasattr(attn, "q_norm"):  # Qwen3 QK-norm, per head, before RoPE
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [b, heads|kv, q, hd]
+    return _rope(q, cos, sin), _rope(k, cos, sin), v
 
 
 def _attend(
@@ -87,10 +113,7 @@ class NativeTarget:
         if why is not None:
             raise ValueError(f"native target forward: {why}")
         self.target = target
-        cfg = target.config
-        self.n_heads = int(cfg.num_attention_heads)
-        self.n_kv = int(getattr(cfg, "num_key_value_heads", None) or self.n_heads)
-        self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads)
+        self.n_heads, self.n_kv, self.head_dim = attention_geometry(target)
         self.capacity = capacity
         self.inner = target.model.model  # LlamaModel / Qwen3Model ...: embed_tokens, layers, norm, rotary_emb
         self.layers = list(target.layers)
@@ -118,14 +141,9 @@ class NativeTarget:
         captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
-            x = layer.input_layernorm(h)
-            q = attn.q_proj(x).view(1, q_len, self.n_heads, self.head_dim)  # [1, q, heads, hd]
-            k = attn.k_proj(x).view(1, q_len, self.n_kv, self.head_dim)
-            v = attn.v_proj(x).view(1, q_len, self.n_kv, self.head_dim)
-            if hasattr(attn, "q_norm"):  # Qwen3 QK-norm, per head, before RoPE
-                q, k = attn.q_norm(q), attn.k_norm(k)
-            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [1, heads|kv, q, hd]
-            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+            q, k, v = _target_qkv(
+                layer, h, self.n_heads, self.n_kv, self.head_dim, cos, sin
+            )  # [1, heads|kv, q, hd]
             self.cache[i, 0].index_copy_(1, write_rows, k[0])  # cache[i, 0]: [kv, S, hd]
             self.cache[i, 1].index_copy_(1, write_rows, v[0])
             o = _attend(q, self.cache[i, 0][None], self.cache[i, 1][None], allowed, attn.scaling)
@@ -142,6 +160,105 @@ class NativeTarget:
             feats = torch.cat(parts, dim=-1)[0]  # [q, k·H] in listed order
         out_logits = self.target.lm_head(self.inner.norm(h))[0] if logits else None  # [q, V]
         return NativeOutput(out_logits, feats)
+
+
+class BatchedNativeTarget:
+    """A static-cache forward for many independent sequences at once (regeneration, continuous batching).
+
+    Row r of the cache holds one sequence from column 0: `lengths[r]` tokens so far, the next token
+    goes to column `lengths[r]` at RoPE position `lengths[r]`. A finished row is refilled with a new
+    prompt by `prefill(slots, ...)`, which overwrites its columns from 0; stale columns past a row's
+    length are never attended (the mask is `column <= length`). Nothing is allocated per step, so
+    the cache never grows or copies the way a transformers DynamicCache does (torch.cat per step).
+
+        net = BatchedNativeTarget(target, rows=512, capacity=longest_prompt + max_new)
+        logits = net.prefill(slots, ids_right_padded, prompt_lengths)     # [n, V] at each last prompt token
+        logits = net.step(next_ids, lengths, span)                        # [rows, V]
+    """
+
+    def __init__(self, target: TargetModel, rows: int, capacity: int) -> None:
+        why = native_support_error(target)
+        if why is not None:
+            raise ValueError(f"native target forward: {why}")
+        self.target = target
+        self.n_heads, self.n_kv, self.head_dim = attention_geometry(target)
+        self.rows, self.capacity = rows, capacity
+        self.inner = target.model.model
+        self.layers = list(target.layers)
+        # [layers, 2 (k, v), rows, kv_heads, capacity, head_dim]; zeros so unwritten columns are finite
+        self.cache = torch.zeros(
+            len(self.layers),
+            2,
+            rows,
+            self.n_kv,
+            capacity,
+            self.head_dim,
+            dtype=target.dtype,
+            device=target.device,
+        )
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.target.lm_head(self.inner.norm(h))  # [n, V]
+
+    @torch.no_grad()
+    def prefill(self, slots: torch.Tensor, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """Write prompts into cache rows `slots` [n]; input_ids [n, P] right-padded, lengths [n] (>= 1).
+        Returns the logits after each prompt's last token, [n, V]. Padding columns get K/V that no
+        query ever attends: causal attention keeps them after every real token of their row."""
+        n, p_len = input_ids.shape
+        h = self.inner.embed_tokens(input_ids)  # [n, P, H]
+        pos = torch.arange(p_len, device=h.device)[None].expand(n, p_len)  # [n, P]
+        cos, sin = self.inner.rotary_emb(h, pos)  # [n, P, hd]
+        cos, sin = cos[:, None], sin[:, None]  # [n, 1, P, hd]
+        rep = self.n_heads // self.n_kv
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            q, k, v = _target_qkv(
+                layer, h, self.n_heads, self.n_kv, self.head_dim, cos, sin
+            )  # [n, heads|kv, P, hd]
+            self.cache[i, 0, slots, :, :p_len] = k
+            self.cache[i, 1, slots, :, :p_len] = v
+            if rep > 1:  # head h reads kv head h // rep
+                k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)  # [n, heads, P, hd]
+            o = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=attn.scaling
+            )  # [n, heads, P, hd]
+            h = h + attn.o_proj(o.transpose(1, 2).reshape(n, p_len, self.n_heads * self.head_dim))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        last = h[torch.arange(n, device=h.device), lengths - 1]  # [n, H] the last real token of each row
+        return self._logits(last)
+
+    @torch.no_grad()
+    def step(self, input_ids: torch.Tensor, lengths: torch.Tensor, span: int) -> torch.Tensor:
+        """One token for every row: input_ids [rows] go to column / position `lengths` [rows];
+        `span` (host int) bounds max(lengths) + 1, so attention reads columns [0, span) only.
+        Returns [rows, V]."""
+        rows = self.rows
+        ar = torch.arange(rows, device=input_ids.device)
+        h = self.inner.embed_tokens(input_ids[:, None])  # [rows, 1, H]
+        cos, sin = self.inner.rotary_emb(h, lengths[:, None])  # [rows, 1, hd]
+        cos, sin = cos[:, None], sin[:, None]  # [rows, 1, 1, hd]
+        allowed = (torch.arange(span, device=h.device)[None] <= lengths[:, None])[
+            :, None, None
+        ]  # [rows, 1, 1, span]
+        rep = self.n_heads // self.n_kv
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            q, k, v = _target_qkv(
+                layer, h, self.n_heads, self.n_kv, self.head_dim, cos, sin
+            )  # [rows, heads|kv, 1, hd]
+            kc, vc = self.cache[i, 0], self.cache[i, 1]  # [rows, kv, S, hd] views
+            kc[ar, :, lengths] = k[:, :, 0]  # advanced indices around a slice: [rows, kv, hd]
+            vc[ar, :, lengths] = v[:, :, 0]
+            # the rep query heads of one kv head ride in the query-length slot: [rows, kv, rep, hd] over
+            # [rows, kv, span, hd] keeps SDPA on a fused kernel without copying the cache per head
+            o = F.scaled_dot_product_attention(
+                q.reshape(rows, self.n_kv, rep, self.head_dim), kc[:, :, :span], vc[:, :, :span],
+                attn_mask=allowed, scale=attn.scaling,
+            )  # fmt: skip
+            h = h + attn.o_proj(o.reshape(rows, 1, self.n_heads * self.head_dim))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self._logits(h[:, 0])
 
 
 class NativeDrafter:

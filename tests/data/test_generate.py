@@ -77,3 +77,39 @@ def test_sampling_is_seeded():
 def test_cut_at_stop():
     assert cut_at_stop([5, 6, 2, 7], [2]).ids == [5, 6, 2]
     assert cut_at_stop([5, 6], [2]).finish == "length"
+
+
+def test_native_continuous_batching_matches_unbatched_greedy(family):
+    """Fewer rows than prompts forces refills of finished rows; stop tokens and max_new_tokens both end rows."""
+    from flashdraft.data.generate import native_generate
+
+    target = tiny_target(family)
+    prompts = _prompts(97, [5, 12, 1, 9, 3, 17, 7], seed=3)
+    free = _reference_greedy(target, prompts[1], 10, [])
+    stop = [free[4]]
+    params = GenerationParams(max_new_tokens=10, stop_ids=stop)
+    ref = [_reference_greedy(target, p, 10, stop) for p in prompts]
+    assert any(r[-1] == stop[0] for r in ref) and any(len(r) == 10 and r[-1] != stop[0] for r in ref)
+    seen: list[int] = []
+    got = native_generate(
+        target, prompts, params, seed=0, rows=3, sync_every=3, prefill_tokens=30,
+        on_batch=lambda gs: seen.extend(len(g.ids) for g in gs),
+    )  # fmt: skip
+    assert [g.ids for g in got] == ref
+    assert sorted(seen) == sorted(len(r) for r in ref)
+    assert all(g.finish == ("stop" if g.ids[-1] in stop else "length") for g in got)
+    gen = LocalGenerator(target, params, engine="native", batch_size=4)
+    assert [g.ids for g in gen.generate(prompts, seed=0)] == ref
+
+
+def test_native_sampling_is_seeded():
+    from flashdraft.data.generate import native_generate
+
+    target = tiny_target("llama")
+    prompts = _prompts(97, [4, 6, 3])
+    params = GenerationParams(max_new_tokens=6, temperature=1.0, stop_ids=[2])
+    a = native_generate(target, prompts, params, seed=7, rows=2)
+    b = native_generate(target, prompts, params, seed=7, rows=2)
+    c = native_generate(target, prompts, params, seed=8, rows=2)
+    assert [g.ids for g in a] == [g.ids for g in b]
+    assert [g.ids for g in a] != [g.ids for g in c]
