@@ -37,11 +37,13 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
 from flashdraft.config import load_config
+from flashdraft.drafter import compile_flex_attention
 from flashdraft.train.blocks import DraftBatch
 from flashdraft.train.config import TrainConfig
 from flashdraft.train.launch import build_drafter, resolve_precision
@@ -122,7 +124,8 @@ def main() -> None:
         "--warmup-steps", type=int, default=5, help="untimed steps first (compilation, autotuning)"
     )
     ap.add_argument("--grad-accum", type=int, default=1)
-    ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--compile", default="attention", choices=["attention", "model", "none"],
+                    help="as the train config's runtime.compile")  # fmt: skip
     ap.add_argument("--peak-tflops", type=float, default=790.0, help="bf16 ceiling of the device (H200: 790)")
     ap.add_argument("--queue-depth", type=int, default=0, help="> 0: online pipeline with this queue depth")
     ap.add_argument("--target-device", default="same", help="the target's device (pipeline), e.g. cuda:0")
@@ -139,7 +142,7 @@ def main() -> None:
          f"data.max_length={args.max_length}", f"data.token_budget={args.token_budget}",
          f"data.max_anchors={args.max_anchors}", f"optim.grad_accum={args.grad_accum}",
          f"optim.max_steps={args.steps + args.warmup_steps}", f"runtime.device={device}",
-         f"runtime.compile={not args.no_compile}", "data.dataset=<benchmark>", "telemetry.progress=false"],
+         f"runtime.compile={args.compile}", "data.dataset=<benchmark>", "telemetry.progress=false"],
     )  # fmt: skip
     prec = resolve_precision(cfg, device)
     target_device = resolve_target_device(args.target_device, device)
@@ -177,7 +180,11 @@ def main() -> None:
         source = QueuedSource(source, depth=args.queue_depth, device=device, source_device=target_device)
     heads = target if target_device == device else FrozenHeads(target, device)
     attention = "flex" if device.type == "cuda" else "dense"
-    model = torch.compile(drafter) if (device.type == "cuda" and not args.no_compile) else drafter
+    model: Any = drafter
+    if device.type == "cuda" and args.compile == "model":
+        model = torch.compile(drafter)
+    elif device.type == "cuda" and args.compile == "attention":
+        compile_flex_attention()
     run_dir = tempfile.mkdtemp(prefix="train-throughput-")
     trainer = Trainer(
         cfg, heads, drafter, source, run_dir=run_dir, model=model,
@@ -235,7 +242,7 @@ def main() -> None:
         "token_budget": args.token_budget,
         "max_anchors": args.max_anchors,
         "grad_accum": args.grad_accum,
-        "compile": bool(device.type == "cuda" and not args.no_compile),
+        "compile": args.compile if device.type == "cuda" else "none",
         "attention": attention,
         "precision": {"target": str(prec.target), "params": str(prec.params), "compute": str(prec.compute)},
         "steps": args.steps,

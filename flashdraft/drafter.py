@@ -217,6 +217,23 @@ def rope_inv_freq(cfg: DFlashConfig, device: torch.device | None = None) -> tupl
     raise ValueError(f"rope_scaling type {kind!r} is not supported: use default, linear, llama3 or yarn")
 
 
+_FLEX_KERNEL: Any = None  # set by compile_flex_attention(); None: torch's flex_attention as it is
+
+
+def compile_flex_attention() -> None:
+    """Send every FlexAttention call of the drafter through one torch.compile'd kernel.
+
+    Uncompiled, flex_attention materialises the full score matrix (it OOMs on training shapes);
+    compiling only this call gives the fused kernel while the rest of the drafter stays eager —
+    the narrow alternative to compiling the whole model (train config runtime.compile).
+    """
+    global _FLEX_KERNEL
+    if _FLEX_KERNEL is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _FLEX_KERNEL = torch.compile(flex_attention)
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -337,7 +354,8 @@ class Attention(nn.Module):
 
             # under autocast the fp32-weight q/k norms return fp32 while v is bf16; flex needs one dtype
             q, k = q.to(v.dtype), k.to(v.dtype)
-            out = flex_attention(q, k, v, block_mask=mask, enable_gqa=self.n_heads != self.n_kv)
+            kernel = _FLEX_KERNEL or flex_attention
+            out = kernel(q, k, v, block_mask=mask, enable_gqa=self.n_heads != self.n_kv)
         else:
             if self.n_heads != self.n_kv:
                 rep = self.n_heads // self.n_kv

@@ -70,7 +70,13 @@ class RuntimeConfig:
     dtype: str = "auto"  # auto: bf16 autocast with fp32 master weights on CUDA, float32 on CPU
     seed: int = 0
     deterministic: bool = False  # torch.use_deterministic_algorithms; CPU runs are reproducible either way
-    compile: bool = True  # torch.compile the drafter on CUDA (compiled FlexAttention); ignored on CPU
+    # on CUDA: "attention" compiles only the FlexAttention call (the drafter runs eager; robust to the
+    # batch shapes changing every step), "model" the whole drafter (faster, but inductor recompiles on
+    # new shapes and hit an assertion on torch 2.11, benchmarks/RESULTS.md), "none"; ignored on CPU
+    compile: str = "attention"
+    # stop (with a checkpoint) after this many minutes; the LR schedule still follows max_steps /
+    # epochs, so `--resume` continues it (fixed device budgets, preemptible slots)
+    time_limit_min: float | None = None
     attention: str = "auto"  # auto: flex on CUDA, dense bool mask on CPU; or "flex" / "dense"
     # where the target (the feature producer) runs: "same" = the drafter's device, "cuda:1", or one
     # device per local rank under torchrun, comma-separated ("cuda:4,cuda:5,cuda:6,cuda:7")
@@ -160,6 +166,10 @@ class TrainConfig:
             raise ConfigError(f"optim.max_steps {o.max_steps} must be >= 1")
         if self.runtime.dtype not in ("auto", "float32", "float64", "bfloat16"):
             raise ConfigError(f"runtime.dtype {self.runtime.dtype!r}: use auto, float32, float64 or bfloat16")
+        if self.runtime.compile not in ("attention", "model", "none"):
+            raise ConfigError(f"runtime.compile {self.runtime.compile!r}: use attention, model or none")
+        if self.runtime.time_limit_min is not None and self.runtime.time_limit_min <= 0:
+            raise ConfigError(f"runtime.time_limit_min {self.runtime.time_limit_min} must be > 0 (or unset)")
         if self.runtime.attention not in ("auto", "flex", "dense"):
             raise ConfigError(f"runtime.attention {self.runtime.attention!r}: use auto, flex or dense")
         if self.checkpoint.every < 1 or self.checkpoint.keep_last < 1:

@@ -133,20 +133,14 @@ class DistributedTrainer(Trainer):
 
     def __init__(self, *args: Any, ctx: DistContext, **kw: Any) -> None:
         self.ctx = ctx
-        self._usr1 = False
         super().__init__(*args, rank=ctx.rank, **kw)
         self.sharded = is_sharded(self.drafter)
 
-    # a SIGUSR1 may reach one rank only: every rank must checkpoint at the same step
-    @property
-    def _checkpoint_requested(self) -> bool:  # type: ignore[override]
-        flag = torch.tensor([1 if self._usr1 else 0])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.ctx.control)
-        return bool(flag.item())
-
-    @_checkpoint_requested.setter
-    def _checkpoint_requested(self, value: bool) -> None:
-        self._usr1 = bool(value)
+    # a SIGUSR1 or a time limit may fire on one rank only: every rank must checkpoint / stop at the same step
+    def _agree(self, flags: list[bool]) -> list[bool]:
+        t = torch.tensor([1 if f else 0 for f in flags])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.ctx.control)
+        return [bool(x) for x in t.tolist()]
 
     def _clip_grad_norm(self, params: list[torch.Tensor]) -> torch.Tensor:
         return full_tensor(super()._clip_grad_norm(params))

@@ -178,7 +178,11 @@ def train(
         if attention == "auto":
             attention = "flex" if device.type == "cuda" else "dense"
         model: Any = wrap_drafter(drafter, cfg.distributed.strategy, ctx)  # before the optimizer (FSDP2)
-        if cfg.runtime.compile and device.type == "cuda":
+        if cfg.runtime.compile == "attention" and device.type == "cuda" and attention == "flex":
+            from flashdraft.drafter import compile_flex_attention
+
+            compile_flex_attention()
+        if cfg.runtime.compile == "model" and device.type == "cuda":
             # Hazard (H200, torch 2.11, 2026-12-02): inductor's coalesced-tiling analysis hit an
             # assertion when a new batch shape triggered a dynamic-shape recompile after step 80
             # (benchmarks/RESULTS.md). It is an optional tiling heuristic: turn it off.

@@ -78,7 +78,7 @@ class LRSchedule:
 class TrainResult:
     steps: int
     epoch: int
-    stopped: str  # "max_steps" | "data_exhausted"
+    stopped: str  # "max_steps" | "data_exhausted" | "time_limit"
     last_checkpoint: Path | None
     last_metrics: dict[str, Any] = field(default_factory=dict)
 
@@ -167,6 +167,10 @@ class Trainer:
     def _request_checkpoint(self, _signum: int, _frame: Any) -> None:
         self._checkpoint_requested = True  # only a flag: the checkpoint is written at the next step boundary
 
+    def _agree(self, flags: list[bool]) -> list[bool]:
+        """Control flags as every rank sees them (one process: as they are)."""
+        return flags
+
     # ------------------------------------------------------------------ checkpoints
 
     def _state(self) -> TrainerState:
@@ -228,6 +232,8 @@ class Trainer:
         stopped = "max_steps"
         last: dict[str, Any] = {}
         saved_at = -1
+        started = time.perf_counter()
+        limit_s = cfg.runtime.time_limit_min * 60 if cfg.runtime.time_limit_min else None
         bar = None
         if cfg.telemetry.progress and self.rank == 0:
             from tqdm import tqdm
@@ -260,10 +266,17 @@ class Trainer:
                 if self.step % cfg.telemetry.log_every == 0 or self.step == self.total_steps:
                     last = self._log(interval, bar)
                     interval = Interval(self.block_size, self.device)
-                if self.step % cfg.checkpoint.every == 0 or self._checkpoint_requested:
+                # every rank must take the same decision at the same step (one all-reduce under torchrun)
+                asked, out_of_time = self._agree(
+                    [self._checkpoint_requested, limit_s is not None and time.perf_counter() - started > limit_s]
+                )
+                if self.step % cfg.checkpoint.every == 0 or asked or out_of_time:
                     self._checkpoint_requested = False
                     self.save()
                     saved_at = self.step
+                if out_of_time:
+                    stopped = "time_limit"
+                    break
             if interval.steps:
                 last = self._log(interval, bar)
             if saved_at != self.step and self.step > 0:

@@ -51,6 +51,8 @@ def test_unknown_keys_and_bad_values_are_errors(overrides, message):
         (["data.dataset=x", "optim.betas=[0.9]"], "optim.betas"),
         (["data.dataset=x", "data.max_anchors=0"], "data.max_anchors 0 must be >= 1"),
         (["data.dataset=x", "runtime.attention=magic"], "runtime.attention"),
+        (["data.dataset=x", "runtime.compile=true"], "runtime.compile .*: use attention, model or none"),
+        (["data.dataset=x", "runtime.time_limit_min=0"], "runtime.time_limit_min"),
     ],
 )
 def test_validate_names_the_field(overrides, message):

@@ -53,9 +53,15 @@ def test_flex_step_matches_dense_step_under_bf16_autocast():
     assert cos > 0.98
 
 
-def test_compiled_drafter_trains_with_flex_on_cuda():
+@pytest.mark.parametrize("scope", ["attention", "model"])
+def test_compiled_drafter_trains_with_flex_on_cuda(scope):
+    """runtime.compile=attention (eager drafter, compiled flex kernel) and =model both train."""
+    from flashdraft.drafter import compile_flex_attention
+
     t, drafter, fb, d = _gpu_case()
-    compiled = torch.compile(drafter)
+    if scope == "attention":
+        compile_flex_attention()
+    compiled = torch.compile(drafter) if scope == "model" else drafter
     opt = torch.optim.AdamW(drafter.parameters(), lr=3e-3, fused=True)
     w = slot_weights(8).cuda()
     denom = loss_denominator([d], slot_weights(8))

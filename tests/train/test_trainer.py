@@ -102,6 +102,18 @@ def test_sigusr1_writes_a_checkpoint_at_the_next_step(tmp_path):
     assert signal.getsignal(signal.SIGUSR1) == handler_before
 
 
+
+def test_time_limit_stops_with_a_checkpoint_and_resume_continues(tmp_path):
+    tr = make_trainer(tmp_path, ["optim.max_steps=5", "checkpoint.every=1000", "runtime.time_limit_min=1e-6"])
+    res = tr.run()
+    assert (res.stopped, res.steps) == ("time_limit", 1)  # the limit is checked after every step
+    assert [p.name for p in list_checkpoints(tmp_path / "run")] == ["step-00000001"]
+    again = make_trainer(tmp_path, ["optim.max_steps=5", "checkpoint.every=1000"])
+    again.restore(latest_checkpoint(tmp_path / "run"))
+    assert again.total_steps == 5 and again.run().stopped == "max_steps"
+    assert latest_checkpoint(tmp_path / "run").name == "step-00000005"
+
+
 class _NaNAt:
     """Wraps a source; poisons the features of the listed micro-batches (1-based)."""
 
