@@ -83,7 +83,13 @@ def load(args: argparse.Namespace) -> tuple[TargetModel, DFlashDrafter, str]:
     return target, drafter, dname
 
 
-def prompt_ids(target: TargetModel, n: int) -> list[list[int]]:
+def prompt_ids(target: TargetModel, n: int, dataset: str | None = None) -> list[list[int]]:
+    """`n` prompts: from an eval set (flashdraft.eval.prompts: humaneval in the published wording, a
+    dataset folder's eval split, ...) when given, else the built-in PROMPTS through the chat template."""
+    if dataset:
+        from flashdraft.eval.prompts import load_eval_prompts
+
+        return [p.input_ids for p in load_eval_prompts(dataset, target, limit=n)]
     out = []
     tok = target.tokenizer
     for i in range(n):
@@ -104,16 +110,17 @@ def prompt_ids(target: TargetModel, n: int) -> list[list[int]]:
 
 
 def time_engine(
-    engine: FastEngine, prompts: list[list[int]], method: str, budget: int | None, n_new: int
-) -> dict[str, Any]:
+    engine: FastEngine, prompts: list[list[int]], method: str, budget: int | None, n_new: int,
+    temperature: float = 0.0,
+) -> dict[str, Any]:  # fmt: skip
     engine.generate(
         prompts[0], max_new_tokens=16, method=method, budget=budget
     )  # warm (graphs exist already)
     rows = []
-    for p in prompts:
+    for i, p in enumerate(prompts):
         sync()
         t0 = time.perf_counter()
-        r = engine.generate(p, max_new_tokens=n_new, method=method, budget=budget)
+        r = engine.generate(p, max_new_tokens=n_new, method=method, budget=budget, temperature=temperature, seed=i)
         sync()
         wall = time.perf_counter() - t0
         rows.append({"tokens": r.tokens, "wall_s": wall, "decode_s": r.timings.decode_s, "prefill_s": r.timings.prefill_s,
@@ -132,7 +139,7 @@ def time_engine(
     return {
         "method": method, "budget": budget, "new_tokens": n_tok, "ms_per_token": 1e3 * wall / n_tok,
         "tokens_per_s": n_tok / wall, "decode_ms_per_token": 1e3 * decode / max(n_tok - len(rows), 1),
-        "tau": statistics.mean(r["tau"] for r in rows) if method != "ar" else 1.0,
+        "tau": statistics.mean(r["tau"] for r in rows) if method != "ar" else 1.0, "temperature": temperature,
         "round_wall_ms": round_wall_ms, "phase_ms_per_round": per,
         "overhead_outside_forwards_pct": 100.0 * (1 - (per["draft_ms"] + per["verify_ms"]) / round_wall_ms),
         "tokens": [r["tokens"] for r in rows],
@@ -240,6 +247,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--out", default="decode_speed.json")
+    ap.add_argument("--dataset", default=None, help="prompts from an eval set, e.g. humaneval or a dataset folder")
+    ap.add_argument("--temperature", type=float, default=0.0, help="engine runs at this T (AR and speculative alike)")
     ap.add_argument(
         "--device", default="cuda", help="cpu: a smoke run of the script itself (no graphs, no shape costs)"
     )
@@ -251,7 +260,7 @@ def main() -> None:
     target, drafter, dname = load(args)
     dev_name = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
     log(f"target {target.name} | drafter {dname} | {dev_name} | torch {torch.__version__}")
-    prompts = prompt_ids(target, args.prompts)
+    prompts = prompt_ids(target, args.prompts, args.dataset)
     max_len = max(len(p) for p in prompts) + args.max_new_tokens + 32
     engine = FastEngine(target, drafter, max_len=max_len, max_budget=max(budgets))
     t0 = time.perf_counter()
@@ -260,29 +269,30 @@ def main() -> None:
     log(f"graphs captured: {len(engine._phases)} in {time.perf_counter() - t0:.1f} s")
     results: dict[str, Any] = {"target": target.name, "drafter": dname, "device": dev_name,
                                "torch": torch.__version__, "max_new_tokens": args.max_new_tokens,
-                               "prompts": len(prompts), "block_size": drafter.block_size, "engine": []}  # fmt: skip
+                               "prompts": len(prompts), "block_size": drafter.block_size, "engine": [],
+                               "dataset": args.dataset or "built-in prompts", "temperature": args.temperature}  # fmt: skip
     import transformers
 
     results["transformers"] = transformers.__version__
     runs = [("ar", None), ("chain", None)] + [("ddtree", b) for b in budgets]
     for method, budget in runs:
-        r = time_engine(engine, prompts, method, budget, args.max_new_tokens)
+        r = time_engine(engine, prompts, method, budget, args.max_new_tokens, args.temperature)
         results["engine"].append(r)
         log(f"engine {method:6s} {budget or '':>4} | {r['ms_per_token']:.2f} ms/tok {r['tokens_per_s']:.0f} tok/s | "
             f"tau {r['tau']:.2f} | round {r['round_wall_ms']:.2f} ms, overhead {r['overhead_outside_forwards_pct']:.1f}% | "
             f"{ {k: round(v, 3) for k, v in r['phase_ms_per_round'].items()} }")  # fmt: skip
     ar_tokens = results["engine"][0]["tokens"]
-    results["agreement_with_ar"] = {
+    results["agreement_with_ar"] = {  # sampled runs differ from AR by design: agreement is a T=0 check
         f"{r['method']}{r['budget'] or ''}": agreement(engine, prompts, ar_tokens, r["tokens"])
         for r in results["engine"][1:]
-    }
+    } if args.temperature == 0 else {}  # fmt: skip
     for k, v in results["agreement_with_ar"].items():
         log(f"agreement {k}: {v}")
     results["shape_ms"] = shape_costs(engine, prompts[0], budgets, args.reps) if DEVICE == "cuda" else {}
     log(
         f"shape costs (ms, median of {args.reps} graph replays): {json.dumps({k: round(v, 3) for k, v in results['shape_ms'].items()})}"
     )
-    if not args.skip_hf:
+    if not args.skip_hf and args.temperature == 0:  # the baselines are greedy
         hf_prompts = prompts[: args.hf_prompts]
         results["transformers_generate"] = []
         for mode in ("eager", "static", "prompt_lookup"):
