@@ -58,6 +58,10 @@ def register(app: typer.Typer) -> None:
             ["humaneval"], help="eval sources whose word 13-grams drop training samples; 'none' to disable"
         ),
         seed: int = typer.Option(0),
+        time_limit: float | None = typer.Option(
+            None, help="minutes: start no new shard after this; the dataset holds the finished shards "
+            "(manifest complete: false); rerun with --overwrite to finish"
+        ),
         overwrite: bool = typer.Option(False, help="replace an existing dataset at --out"),
     ) -> None:
         """Answer every user turn with the target; write a dataset (resumable: rerun the same command)."""
@@ -75,6 +79,7 @@ def register(app: typer.Typer) -> None:
             block_size=block_size, eval_fraction=eval_fraction, split_turns=split_turns,
             max_bad_fraction=max_bad_fraction, seed=seed,
             contamination_sources=[c for c in contamination if c != "none"],
+            time_limit_s=time_limit * 60 if time_limit else None,
         )  # fmt: skip
         if server:
             tok = load_tokenizer(target)
@@ -114,7 +119,7 @@ def register(app: typer.Typer) -> None:
         typer.echo(
             f"wrote {res.out}: {m['counts']['train']} train / {m['counts']['eval']} eval samples, "
             f"{m['tokens']['train']['loss']:,} train loss tokens; shards {res.shards_total} "
-            f"({res.shards_skipped} resumed); {res.generated_tokens:,} tokens generated in {res.seconds:.1f} s "
+            f"({res.shards_skipped} resumed, {res.shards_done} in the dataset); {res.generated_tokens:,} tokens generated in {res.seconds:.1f} s "
             f"({rate:,.0f} tok/s); dropped {m['dropped']}"
         )
 

@@ -65,6 +65,9 @@ class RegenConfig:
     max_bad_fraction: float = 0.1
     seed: int = 0
     contamination_sources: list[str] = field(default_factory=lambda: ["humaneval"])
+    # start no new shard after this many seconds; the dataset is written from the finished shards
+    # (manifest: "complete": false) and OUT.partial/ is kept, so rerunning with --overwrite completes it
+    time_limit_s: float | None = None
 
     def fingerprint(self, template: ChatTemplate) -> dict[str, Any]:
         """What a finished shard depends on: a rerun with a different value must not reuse shards."""
@@ -81,6 +84,7 @@ class RegenResult:
     manifest: dict[str, Any]
     shards_total: int
     shards_skipped: int  # finished by an earlier run
+    shards_done: int  # in the dataset written (== shards_total unless the time limit stopped the run)
     generated_tokens: int  # by this run
     seconds: float
 
@@ -253,6 +257,9 @@ def regenerate(
         for k, sh in enumerate(shards):
             if finished[k]:
                 continue
+            if cfg.time_limit_s is not None and time.perf_counter() - t0 > cfg.time_limit_s:
+                log.warning("time limit: %d of %d shards done; rerun with --overwrite to finish", k, len(shards))
+                break
             samples = regenerate_shard(sh, template, generator, cfg, k, progress)
             tmp = path_of[k].with_suffix(".tmp")
             _write_parquet(samples, tmp)
@@ -260,15 +267,19 @@ def regenerate(
     finally:
         progress.close()
 
-    all_samples = (s for p in path_of for s in _read_shard(p))
+    done = [p for p in path_of if p.exists()]
+    complete = len(done) == len(path_of)
+    all_samples = (s for p in done for s in _read_shard(p))
     extra = {
         "target": cfg.target,
         "template": template.describe(),
         "generation": {
-            k: v for k, v in asdict(cfg).items() if k not in ("out", "inputs", "contamination_sources")
+            k: v for k, v in asdict(cfg).items() if k not in ("out", "inputs", "contamination_sources", "time_limit_s")
         },
         "sources": cfg.inputs,
-        "conversations": len(convs),
+        "conversations": sum(len(sh) for sh, p in zip(shards, path_of, strict=True) if p.exists()),
+        "complete": complete,  # False: stopped by the time limit; rerun with --overwrite to finish
+        "regen_shards": {"done": len(done), "total": len(shards)},
         "bad_input_examples": [str(b) for b in stats.bad[:20]],
         **(manifest_extra or {}),
     }
@@ -277,9 +288,11 @@ def regenerate(
         min_loss_tokens=2 * cfg.block_size, contamination_sources=cfg.contamination_sources, dropped=dict(drops),
         overwrite=overwrite,
     )  # fmt: skip
-    if not keep_partial:
+    if complete and not keep_partial:
         shutil.rmtree(work)
-    return RegenResult(out, manifest, len(shards), sum(finished), progress.tokens, time.perf_counter() - t0)
+    return RegenResult(
+        out, manifest, len(shards), sum(finished), len(done), progress.tokens, time.perf_counter() - t0
+    )
 
 
 def load_tokenizer(target: str) -> Any:

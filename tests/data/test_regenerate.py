@@ -120,6 +120,26 @@ def test_resume_after_interruption_gives_identical_dataset(tmp_path, target, tem
     assert _dump(tmp_path / "resumed") == _dump(tmp_path / "full")
 
 
+class _SlowGenerator(_FailingGenerator):
+    def generate(self, prompts, seed, on_batch=None):
+        time.sleep(0.6)
+        return super().generate(prompts, seed, on_batch)
+
+
+def test_time_limit_writes_the_finished_shards_and_a_rerun_completes(tmp_path, target):
+    cfg, tpl, params = _setup(tmp_path, "full")
+    regenerate(cfg, tpl, LocalGenerator(target, params, batch_size=4))
+    cfg2, _, _ = _setup(tmp_path, "timed")
+    cfg2.time_limit_s = 0.5  # shard 0 takes >= 0.6 s: no shard starts after it
+    res = regenerate(cfg2, tpl, _SlowGenerator(LocalGenerator(target, params, batch_size=4), fail_at=-1))
+    assert (res.shards_done, res.shards_total) == (1, 4)
+    assert res.manifest["complete"] is False and res.manifest["regen_shards"] == {"done": 1, "total": 4}
+    assert res.manifest["conversations"] == 3 and (tmp_path / "timed.partial").exists()
+    cfg2.time_limit_s = None
+    res = regenerate(cfg2, tpl, LocalGenerator(target, params, batch_size=4), overwrite=True)
+    assert res.shards_skipped == 1 and res.manifest["complete"] is True
+    assert _dump(tmp_path / "timed") == _dump(tmp_path / "full")
+
 def test_resume_refuses_changed_settings(tmp_path, target):
     cfg, tpl, params = _setup(tmp_path)
     with pytest.raises(_Interrupt):
