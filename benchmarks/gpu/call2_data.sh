@@ -1,15 +1,20 @@
 #!/usr/bin/env bash
-# Call 2: join the GGUF, measure regeneration and training throughput, regenerate the training set.
+# Call 2: join the GGUF; regeneration throughput (native engine vs plain transformers generate, same
+# prompts, same run); then regenerate the ShareGPT training set (every user turn) for REGEN_MIN minutes.
 set -uo pipefail
 cp .stage/b/* /root/stage/
 (cd /root/stage && bash join-parts SmolLM2-135M-Instruct.Q4_1.gguf SmolLM2-135M-Instruct.Q4_1.gguf.part*) || exit 1
 source benchmarks/gpu/env.sh
-PROMPTS=sharegpt:.stage/b/sharegpt_compact.json.gz
-timeout 100 python3 benchmarks/train_throughput.py --target $TARGET --steps 30 --queue-depth 2 \
-  --json $OUT/train_throughput.json 2>&1 | tail -25
-timeout 150 python3 benchmarks/regen_throughput.py --target $TARGET --input $PROMPTS --n 2048 --batch-size 1024 \
-  --max-new-tokens 256 --methods flashdraft-loop,transformers-generate --out $OUT/regen_throughput.json 2>&1 | tail -12
-timeout ${REGEN_SECONDS:-420} python3 -m flashdraft.cli data regenerate --target $TARGET --input $PROMPTS \
-  --out /root/work/data --device cuda --dtype bfloat16 --batch-size 1024 --max-new-tokens 384 \
-  --limit ${REGEN_LIMIT:-2048} --shard-size 1024 --seed 0 2>&1 | tr '\r' '\n' | tee $OUT/regen.log | tail -15
-cp /root/work/data/manifest.json $OUT/ 2>/dev/null || ls /root/work/data.partial | tail -3
+PROMPTS=sharegpt:/root/stage/sharegpt_compact.json.gz
+timeout 150 python3 benchmarks/regen_throughput.py --target $TARGET --input $PROMPTS --n ${BENCH_N:-512} \
+  --batch-size 512 --max-new-tokens 256 --methods flashdraft-native,transformers-generate \
+  --out $OUT/regen_throughput.json 2>&1 | grep -v "^Convert\|^Loading" | tail -8
+timeout ${REGEN_TIMEOUT:-480} python3 -m flashdraft.cli data regenerate --target $TARGET --input $PROMPTS \
+  --out /root/work/data --device cuda --dtype bfloat16 --engine native --batch-size 512 --max-batch-tokens 2500000 \
+  --max-new-tokens 512 --shard-size 4096 --time-limit ${REGEN_MIN:-4.5} --seed 0 \
+  --contamination humaneval:/root/stage/HumanEval.jsonl.gz 2>&1 | tr '\r' '\n' | grep -v "skipped bad" > /root/work/regen.log
+grep -v "regenerate:" /root/work/regen.log | tail -6; grep "regenerate:" /root/work/regen.log | awk 'NR % 50 == 0' | tail -4
+cp /root/work/regen.log $OUT/
+cp /root/work/data/manifest.json $OUT/ && mkdir -p $OUT/data_eval && cp -r /root/work/data/eval $OUT/data_eval/ \
+  && cp /root/work/data/manifest.json $OUT/data_eval/
+du -sh /root/work/data

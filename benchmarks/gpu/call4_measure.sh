@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# Call 4: τ of the trained drafter (HumanEval, held-out ShareGPT) and decode speed on the H200.
+# Call 4: decode speed and τ of the trained drafter on HumanEval (published wording) on the H200:
+# engine AR / chain / DDTree budgets and the transformers baselines in one run (T=0), then T=1.
 set -uo pipefail
 source benchmarks/gpu/env.sh
-D=${DRAFTER:-/root/work/run/checkpoints/$(ls /root/work/run/checkpoints | tail -1)/drafter}
-timeout 200 python3 benchmarks/decode_speed.py --target $TARGET --drafter $D --out $OUT/decode_speed.json 2>&1 | tail -40
-timeout 300 python3 -m flashdraft.cli eval --target $TARGET --drafter $D --dataset humaneval:/root/stage/HumanEval.jsonl.gz --device cuda \
-  --max-new-tokens 256 --budgets 8,16,32,64,128,256,512 --out $OUT/eval_humaneval 2>&1 | tail -30
-timeout 200 python3 -m flashdraft.cli eval --target $TARGET --drafter $D --dataset /root/work/data --limit 100 --device cuda \
-  --max-new-tokens 256 --budgets 8,32,128,512 --out $OUT/eval_sharegpt 2>&1 | tail -20
+D=/root/work/drafter-bf16
+HE=humaneval:/root/stage/HumanEval.jsonl.gz
+timeout 330 python3 benchmarks/decode_speed.py --target $TARGET --drafter $D --dataset $HE --prompts ${PROMPTS_N:-10} \
+  --hf-prompts 3 --max-new-tokens 256 --budgets 8,16,32,64,128,256,512 --out $OUT/decode_speed_t0.json 2>&1 \
+  | grep -v "^Convert\|^Loading" | tail -22
+timeout 150 python3 benchmarks/decode_speed.py --target $TARGET --drafter $D --dataset $HE --prompts 6 --skip-hf \
+  --temperature 1.0 --max-new-tokens 256 --budgets 8,32,128 --reps 5 --out $OUT/decode_speed_t1.json 2>&1 \
+  | grep -v "^Convert\|^Loading" | tail -8

@@ -3,9 +3,9 @@ copy and the GGUF target in ≤ 48 MiB parts.
 
     python benchmarks/gpu/make_carry.py            # → .stage/a (GGUF part 0, gguf wheel), .stage/b (part 1, prompts)
 
-The compact ShareGPT file keeps each complete record's system prompt and FIRST user turn
-verbatim (one response per conversation: the GPU time of one session buys ~10K responses),
-in the ShareGPT layout the `sharegpt:` source reads, gzipped.
+The compact ShareGPT file keeps each complete record's system prompt and EVERY user turn verbatim;
+the assistant turns become "." (regeneration replaces them with the target's own answers, so
+their text is never used), in the ShareGPT layout the `sharegpt:` source reads, gzipped (6.8 MiB).
 """
 
 from __future__ import annotations
@@ -29,11 +29,11 @@ def compact_sharegpt(out: Path) -> int:
     with gzip.open(out, "wt", encoding="utf-8") as f:
         f.write("[\n")
         for c in convs:
-            first_user = next(i for i, t in enumerate(c.turns) if t.role == "user")
             turns = [
                 {"from": {"user": "human", "system": "system"}[t.role], "value": t.content}
-                for t in c.turns[: first_user + 1]
                 if t.role in ("system", "user")
+                else {"from": "gpt", "value": "."}
+                for t in c.turns
             ]
             f.write(("," if n else "") + json.dumps({"id": c.id, "conversations": turns}) + "\n")
             n += 1
