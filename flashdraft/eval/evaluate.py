@@ -152,7 +152,9 @@ def _checked_item(
     cont = ref.tokens[:max_new_tokens]
     p = len(ref.prompt_ids)
     t1 = time.perf_counter()
-    tf = teacher_forced(target, ref.prompt_ids + cont, layer_ids)
+    tf = teacher_forced(
+        target, ref.prompt_ids + cont, layer_ids, head_from=p - 1
+    )  # only the checked positions
     took = time.perf_counter() - t1
     if ref.temperature == 0 and cont:
         # the target's argmax after position p+j−1 must be reference token j

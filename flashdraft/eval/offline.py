@@ -23,10 +23,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from flashdraft.drafter import DFlashDrafter, DrafterCache
-from flashdraft.eval.replay import DraftRows, Method, Outcome, accept
+from flashdraft.eval.replay import DraftRows, Method, NeedWidth, Outcome, accept
 from flashdraft.target import TargetModel
 
 
@@ -51,9 +50,15 @@ class TeacherForced:
 
 @torch.no_grad()
 def teacher_forced(
-    target: TargetModel, ids: list[int] | torch.Tensor, layer_ids: list[int], chunk: int = 512
+    target: TargetModel,
+    ids: list[int] | torch.Tensor,
+    layer_ids: list[int],
+    chunk: int = 512,
+    head_from: int = 0,
 ) -> TeacherForced:
-    """Features of `layer_ids` and the target's argmax at every position, in one target forward.
+    """Features of `layer_ids` and the target's argmax at every position from `head_from` on, in
+    one target forward (positions before `head_from` get choice −1 and margin NaN: the eval only
+    checks the reference's positions, and the head is a large share of the pass).
 
     Logits are never held for the whole sequence: the final hidden state is captured and the
     head applied in chunks of `chunk` positions (a 2K-token, 150K-vocab pass is 1.2 GB of logits).
@@ -65,13 +70,54 @@ def teacher_forced(
     h = target.hidden_size
     feats = out.features[..., : len(layer_ids) * h]  # [1, n, k·H]
     final = out.features[0, :, len(layer_ids) * h :]  # [n, H], final-normed (HF hidden_states[-1])
-    choices, margins = [], []
-    for a in range(0, final.shape[0], chunk):
+    skip = min(max(head_from, 0), final.shape[0])
+    choices = [torch.full((skip,), -1, dtype=torch.long, device=final.device)]
+    margins = [torch.full((skip,), float("nan"), dtype=final.dtype, device=final.device)]
+    for a in range(skip, final.shape[0], chunk):
         logits = target.lm_head(final[a : a + chunk])  # [c, V]
         top2 = logits.topk(2, dim=-1).values  # [c, 2]
         choices.append(logits.argmax(dim=-1))
         margins.append(top2[:, 0] - top2[:, 1])
     return TeacherForced(x[0], feats, list(layer_ids), torch.cat(choices), torch.cat(margins).float())
+
+
+@dataclass
+class StartRows:
+    """The drafter's output at one round start: the slots computed so far and the slots the replay sees.
+
+    The replay reads `visible` slots, on the same lazy schedule whatever was computed (first_slots,
+    then doubling on demand), so every round is decided from the same rows however the head
+    was batched; `computed` >= `visible` slots of argmax / top-K exist.
+    """
+
+    hidden: torch.Tensor  # [B−1, H] the drafter's final hidden at slots 1..B−1 (for more slots or width)
+    argmax: list[int]  # [P] per computed slot
+    top_lp: torch.Tensor  # float32 [P, W] full-vocabulary log-softmax, sorted descending
+    top_ids: torch.Tensor  # int64 [P, W]
+    visible: int
+    vocab: int
+    num_slots: int  # B − 1
+    _view: DraftRows | None = None
+
+    @property
+    def computed(self) -> int:
+        return len(self.argmax)
+
+    def rows(self) -> DraftRows:
+        """The visible slots as `accept` reads them."""
+        v = self.visible
+        if self._view is None or len(self._view.argmax) != v:  # grow/widen reset it
+            self._view = DraftRows(
+                self.argmax[:v], self.top_lp[:v], self.top_ids[:v], self.vocab, self.num_slots
+            )
+        return self._view
+
+
+@dataclass
+class HeadRows:
+    argmax: list[list[int]]  # [R][S]
+    top_lp: torch.Tensor  # float32 [R, S, W]
+    top_ids: torch.Tensor  # int64 [R, S, W]
 
 
 class DrafterRows:
@@ -80,9 +126,12 @@ class DrafterRows:
     The context K/V of every sample's positions is computed once (one drafter cache, batch =
     samples, zero-padded to the longest); `compute` then packs the requested blocks of every
     sample into one forward: block [X[s], MASK × (B−1)] at positions s..s+B−1 sees the context
-    keys < s of its own sample and its own block only. The head (the target's lm_head, the
-    largest cost) runs on the first `first_slots` slots; `complete` adds the rest for the
-    blocks that need them (`extend`, doubling the slots each time).
+    keys < s of its own sample and its own block only (keys at or past the step's latest start
+    are cut off before the forward). The head (the target's lm_head over the whole vocabulary,
+    the largest cost) runs on the first `first_slots` slots, or on all B−1 when most recent
+    rounds needed them (`eager`); `grow` adds the rest for the blocks whose rounds need them, in
+    one batched pass. Only the top-`width` log-probs per slot are kept (`widen` stores the
+    full top-`full_width` for a start whose tree needs more).
     """
 
     def __init__(
@@ -91,15 +140,22 @@ class DrafterRows:
         drafter: DFlashDrafter,
         features: list[torch.Tensor],  # per sample [1, c_i, k·H]
         tokens: list[torch.Tensor],  # per sample LongTensor [n_i] prompt + reference
-        width: int,
+        full_width: int,
         first_slots: int = 2,
+        width: int | None = None,
+        eager: bool | None = None,
     ) -> None:
         self.target, self.drafter = target, drafter
         self.tokens = tokens
-        self.width = width
+        self.full_width = full_width
+        self.width = min(full_width, width) if width else full_width
         self.dtype = next(drafter.parameters()).dtype
         self.block = drafter.block_size
         self.first = max(1, min(first_slots, self.block - 1))
+        self.eager_setting = eager
+        self.eager = bool(eager)
+        self._made = self._needed = 0  # blocks of the last forward / how many of them needed more slots
+        self.vocab = target.lm_head.weight.shape[0]
         device = target.device
         g = len(features)
         self.context = max(1, max(f.shape[1] for f in features))
@@ -117,12 +173,16 @@ class DrafterRows:
         self.blocks = [0] * g
 
     @torch.no_grad()
-    def compute(self, requests: dict[int, list[int]]) -> dict[int, dict[int, tuple[DraftRows, torch.Tensor]]]:
-        """{sample: [starts]} -> {sample: {start: (rows of the first slots, hidden [B−1, H])}}."""
+    def compute(self, requests: dict[int, list[int]]) -> dict[int, dict[int, StartRows]]:
+        """{sample: [starts]} -> {sample: {start: StartRows with `first_slots` visible}}."""
+        if self.eager_setting is None:  # most rounds of the last forward needed more slots: compute all
+            self.eager = self._needed * 2 > self._made
         samples = sorted(i for i, st in requests.items() if st)
-        g, b, c = len(samples), self.block, self.context
+        g, b = len(samples), self.block
         m = max(len(requests[i]) for i in samples)
         device = self.target.device
+        # keys at or past the latest start are masked for every block of this forward: leave them out
+        c = min(self.context, max(max(requests[i]) for i in samples))
         starts = torch.zeros(g, m, dtype=torch.long, device=device)  # padding blocks sit at 0
         real = torch.zeros(g, m, dtype=torch.bool, device=device)
         block_ids = torch.full((g, m, b), self.drafter.mask_token_id, dtype=torch.long, device=device)
@@ -134,61 +194,70 @@ class DrafterRows:
         noise = self.target.embed_tokens(block_ids).reshape(g, m * b, -1).to(self.dtype)  # [g, m·B, H]
         positions = (starts[..., None] + torch.arange(b, device=device)).reshape(g, m * b)  # [g, m·B]
         # context keys strictly before the block's start, of real blocks only
-        ctx_ok = (torch.arange(c, device=device) < starts[..., None]) & real[..., None]  # [g, m, C]
-        ctx_ok = ctx_ok.repeat_interleave(b, dim=1)  # [g, m·B, C]
-        own = torch.block_diag(*[torch.ones(b, b, dtype=torch.bool, device=device)] * m)  # [m·B, m·B]
-        mask = torch.cat([ctx_ok, own.expand(g, -1, -1)], dim=2)[:, None]  # [g, 1, m·B, C + m·B]
-        idx = torch.tensor(samples, dtype=torch.long, device=device)
-        sub = DrafterCache(  # this forward's samples only; the drafter adds no context rows to it
-            [k.index_select(0, idx) for k in self.cache.keys],  # type: ignore[union-attr]
-            [v.index_select(0, idx) for v in self.cache.values],  # type: ignore[union-attr]
-        )
+        ctx_ok = (torch.arange(c, device=device) < starts[..., None]) & real[..., None]  # [g, m, C']
+        ctx_ok = ctx_ok[:, :, None].expand(g, m, b, c).reshape(g, m * b, c)  # [g, m·B, C']
+        blk = torch.arange(m * b, device=device) // b  # [m·B] block of each query/key slot
+        own = blk[:, None] == blk[None, :]  # [m·B, m·B]: a block sees its own slots only
+        mask = torch.cat([ctx_ok, own.expand(g, -1, -1)], dim=2)[:, None]  # [g, 1, m·B, C' + m·B]
+        if g == len(self.forwards):  # every sample: slices of the cache (the drafter adds no rows to it)
+            keys = [k[:, :, :c] for k in self.cache.keys]  # type: ignore[index]
+            values = [v[:, :, :c] for v in self.cache.values]  # type: ignore[index]
+        else:
+            idx = torch.tensor(samples, dtype=torch.long, device=device)
+            keys = [k[:, :, :c].index_select(0, idx) for k in self.cache.keys]  # type: ignore[index]
+            values = [v[:, :, :c].index_select(0, idx) for v in self.cache.values]  # type: ignore[index]
+        sub = DrafterCache(keys, values)  # type: ignore[arg-type]
         empty = torch.zeros(g, 0, self.drafter.fc.in_features, dtype=self.dtype, device=device)
         hidden = self.drafter(empty, noise, positions, attention_mask=mask, cache=sub)  # [g, m·B, H]
         hidden = hidden.view(g, m, b, -1)[:, :, 1:].to(self.target.dtype)  # [g, m, B−1, H]: slots 1..B−1
-        rows = self._head(hidden[real][:, : self.first])  # for the R real blocks, slots 1..first
-        out: dict[int, dict[int, tuple[DraftRows, torch.Tensor]]] = {}
-        flat = hidden[real]  # [R, B−1, H]
-        k = 0
+        flat = hidden[real]  # [R, B−1, H] the R real blocks
+        self._made, self._needed = len(flat), 0
+        n = b - 1 if self.eager else self.first
+        head = self._head(flat[:, :n], self.width)
+        out: dict[int, dict[int, StartRows]] = {}
+        j = 0
         for i in samples:
             out[i] = {}
             for st in requests[i]:
-                out[i][st] = (rows[k], flat[k])
-                k += 1
+                out[i][st] = StartRows(flat[j], head.argmax[j], head.top_lp[j], head.top_ids[j], self.first,
+                                       self.vocab, b - 1)  # fmt: skip
+                j += 1
             self.forwards[i] += 1
             self.blocks[i] += len(requests[i])
         return out
 
-    def _head(self, hidden: torch.Tensor) -> list[DraftRows]:
-        """hidden [R, S, H] (slots 1..S) -> per block: argmax, top-K log-probs, as generate/build_tree compute them."""
-        logits = self.target.lm_head(hidden)  # [R, S, V]
-        argmax = logits.argmax(dim=-1).tolist()  # [R][S]
+    def _head(self, hidden: torch.Tensor, width: int) -> HeadRows:
+        """hidden [R, S, H] (slots 1..S) -> argmax and top-`width` log-probs, as generate/build_tree compute them."""
+        r, n, h = hidden.shape
+        # one 2-D contiguous matmul: a strided 3-D input makes F.linear ~9x slower on CPU
+        logits = self.target.lm_head(hidden.reshape(r * n, h))  # [R·S, V]
+        argmax = logits.argmax(dim=-1).view(r, n).tolist()  # [R][S]
         lp = torch.log_softmax(logits.float(), dim=-1)  # float32, as build_tree normalises
-        top_lp, top_ids = lp.topk(min(self.width, lp.shape[-1]), dim=-1)  # [R, S, K]
-        top_lp, top_ids = top_lp.cpu(), top_ids.cpu()
-        v = lp.shape[-1]
-        return [DraftRows(argmax[r], top_lp[r], top_ids[r], v, self.block - 1) for r in range(len(argmax))]
+        top_lp, top_ids = lp.topk(min(width, lp.shape[-1]), dim=-1)  # [R·S, W]
+        return HeadRows(argmax, top_lp.view(r, n, -1).cpu(), top_ids.view(r, n, -1).cpu())
 
     @torch.no_grad()
-    def extend(self, partial: list[tuple[DraftRows, torch.Tensor]], upto: list[int]) -> list[DraftRows]:
-        """More slots for these blocks (block i up to slot upto[i]), in one head pass."""
-        have = [len(p.argmax) for p, _ in partial]
-        n = max(u - h for u, h in zip(upto, have, strict=True))
-        hidden = torch.stack(
-            [
-                F.pad(h[a : a + n], (0, 0, 0, n - len(h[a : a + n])))
-                for (_, h), a in zip(partial, have, strict=True)
-            ]
-        )  # [R, n, H]: the next n slots of each block (zero rows past the block's end are dropped below)
-        more = self._head(hidden)
-        out = []
-        for (p, _), q, a, u in zip(partial, more, have, upto, strict=True):
-            k = u - a
-            out.append(DraftRows(
-                p.argmax + q.argmax[:k], torch.cat([p.top_lp, q.top_lp[:k]]), torch.cat([p.top_ids, q.top_ids[:k]]),
-                p.vocab, p.num_slots,
-            ))  # fmt: skip
-        return out
+    def grow(self, starts: list[StartRows], upto: list[int]) -> None:
+        """Let these starts' rounds see `upto` slots; the blocks that lack them get all B−1, in one head pass."""
+        todo = [st for st, u in zip(starts, upto, strict=True) if st.computed < u]
+        if todo:
+            a = min(st.computed for st in todo)
+            w = max(st.top_lp.shape[1] for st in todo)  # a widened start keeps its width
+            head = self._head(torch.stack([st.hidden[a:] for st in todo]), w)  # [R, B−1−a, H]
+            for j, st in enumerate(todo):
+                k, sw = st.computed - a, st.top_lp.shape[1]  # rows of this pass the start already has
+                st.argmax = st.argmax + head.argmax[j][k:]
+                st.top_lp = torch.cat([st.top_lp, head.top_lp[j, k:, :sw]])
+                st.top_ids = torch.cat([st.top_ids, head.top_ids[j, k:, :sw]])
+        for st, u in zip(starts, upto, strict=True):
+            self._needed += st.visible == self.first < u
+            st.visible, st._view = u, None
+
+    @torch.no_grad()
+    def widen(self, st: StartRows) -> None:
+        """Store the full top-`full_width` of every computed slot of this start (a tree needs more ranks)."""
+        head = self._head(st.hidden[None, : st.computed], self.full_width)
+        st.top_lp, st.top_ids, st._view = head.top_lp[0], head.top_ids[0], None
 
 
 @dataclass
@@ -247,12 +316,18 @@ def replay_batch(
     *,
     first_slots: int = 2,
     slot_stride: int = 4,
+    topk_width: int | None = 32,
+    eager: bool | None = None,
 ) -> list[SampleResult]:
     """Replay every method's rounds over a group of references, drafter passes shared.
 
-    Rounds are decided exactly as generate decides them; the lm_head runs on slots beyond
-    `first_slots` only for blocks whose outcome needs them, and for every `slot_stride`-th
-    chain round of a sample (those rounds give the unconditional per-slot accuracy).
+    Rounds are decided exactly as generate decides them. What a round reads follows one lazy
+    schedule: the first `first_slots` slots, more (doubling) only when its outcome needs them,
+    and every slot for every `slot_stride`-th chain round of a sample (those rounds give the
+    unconditional per-slot accuracy). What is computed is a speed choice that changes no
+    result: `eager` (None = adaptive) runs the head on all slots at once when most rounds need
+    them; `topk_width` keeps only the top-`topk_width` log-probs per slot (None: the largest
+    budget's) and stores the full top-`budget` for the rare start whose tree needs more.
     """
     b = drafter.block_size
     results = [
@@ -279,14 +354,31 @@ def replay_batch(
         ends[k] = n - 1  # the last committed token's position; the prefill committed X[prompt_len]
         toks[k] = tokens.tolist()
         feats.append(it.tf.features_for(drafter.target_layer_ids, target.hidden_size)[:, : ends[k]])
-    rows_of = DrafterRows(target, drafter, feats, [items[k].tf.tokens for k in live], max(m.width for m in methods),
-                          first_slots)  # fmt: skip
+    full_width = max(m.width for m in methods)
+    narrow = max([topk_width or full_width, *(m.width for m in methods if m.kind != "ddtree")])
+    rows_of = DrafterRows(target, drafter, feats, [items[k].tf.tokens for k in live], full_width, first_slots,
+                          width=narrow, eager=eager)  # fmt: skip
     slot = {k: r for r, k in enumerate(live)}  # sample -> its row in the drafter batch
     pos = {k: {m.name: items[k].prompt_len for m in methods} for k in live}
-    memo: dict[int, dict[int, tuple[DraftRows, torch.Tensor]]] = {k: {} for k in live}
+    memo: dict[int, dict[int, StartRows]] = {k: {} for k in live}
     walks: dict[tuple[int, int], dict] = {}  # (sample, start) -> the start's shared tree walk
     tree_budget = max((m.size for m in methods if m.kind == "ddtree"), default=0)
     chain_rounds = dict.fromkeys(live, 0)
+
+    def decide(k: int, m: Method) -> Outcome | None:
+        """The round of method m at its current start, or None when it needs more visible slots."""
+        s = pos[k][m.name]
+        st = memo[k][s]
+        sampled = m.kind == "chain" and chain_rounds[k] % slot_stride == 0
+        while True:
+            rows = st.rows()
+            if sampled and not rows.complete:
+                return None
+            out = accept(m, rows, _ref(toks[k], s, ends[k], b), walks.setdefault((k, s), {}), tree_budget)
+            if not isinstance(out, NeedWidth):
+                return out
+            rows_of.widen(st)  # rare: the tree uses more ranks of a slot than were kept
+
     while True:
         active = {k: [m for m in methods if pos[k][m.name] < ends[k]] for k in live}
         active = {k: ms for k, ms in active.items() if ms}
@@ -297,41 +389,25 @@ def replay_batch(
             got = rows_of.compute({r: st for r, st in need.items() if st})
             for k in active:
                 memo[k].update(got.get(slot[k], {}))
-        # decide every (sample, method) round; rounds whose outcome needs more slots wait for one batched head pass
+        # decide every (sample, method) round; rounds whose outcome needs more slots wait for one batched pass
         pending: list[tuple[int, Method]] = []
         decided: list[tuple[int, Method, Outcome]] = []
         for k, ms in active.items():
             for m in ms:
-                s = pos[k][m.name]
-                rows = memo[k][s][0]
-                sampled = m.kind == "chain" and chain_rounds[k] % slot_stride == 0
-                shared = walks.setdefault((k, s), {})
-                ref = _ref(toks[k], s, ends[k], b)
-                out = None if (sampled and not rows.complete) else accept(m, rows, ref, shared, tree_budget)
+                out = decide(k, m)
                 if out is None:
                     pending.append((k, m))
                 else:
                     decided.append((k, m, out))
         while pending:
-            # the head on more slots (doubling) for the starts whose rounds are still undecided
+            # more visible slots (doubling) for the starts whose rounds are still undecided
             keys = sorted({(k, pos[k][m.name]) for k, m in pending})
-            todo = [(k, s) for k, s in keys if not memo[k][s][0].complete]
+            todo = [memo[k][s] for k, s in keys if not memo[k][s].rows().complete]
             assert todo, "complete rows always decide"
-            upto = [min(2 * len(memo[k][s][0].argmax), b - 1) for k, s in todo]
-            grown = rows_of.extend([memo[k][s] for k, s in todo], upto)  # type: ignore[misc]
-            for (k, s), rows in zip(todo, grown, strict=True):
-                memo[k][s] = (rows, memo[k][s][1])
+            rows_of.grow(todo, [min(2 * st.visible, b - 1) for st in todo])
             still: list[tuple[int, Method]] = []
             for k, m in pending:
-                s = pos[k][m.name]
-                rows = memo[k][s][0]
-                sampled = m.kind == "chain" and chain_rounds[k] % slot_stride == 0
-                ref = _ref(toks[k], s, ends[k], b)
-                out = (
-                    None
-                    if (sampled and not rows.complete)
-                    else accept(m, rows, ref, walks.setdefault((k, s), {}), tree_budget)
-                )
+                out = decide(k, m)
                 if out is None:
                     still.append((k, m))
                 else:

@@ -17,6 +17,7 @@ Method names (never confuse the last two — DESIGN.md §3):
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 from typing import Any
 
@@ -142,18 +143,57 @@ class TreeWalk:
         return 1.0 + (self.cum_q[n - 1] if n else 0.0)
 
 
-def tree_walk(rows: DraftRows, ref: list[int], budget: int) -> TreeWalk | None:
-    tree = build_tree_from_topk(rows.top_lp, rows.top_ids, budget, rows.vocab, rows.num_slots)
-    if tree is None:
-        return None
-    node, path = 0, []
-    for tok in ref:
-        child = tree.children[node].get(tok)
-        if child is None:
-            break
-        path.append(child)
-        node = child
-    cum = torch.exp(tree.log_probs.double()).cumsum(0).tolist()
+class NeedWidth:
+    """`accept`'s answer when the stored top-K per slot is too narrow for the tree (see `tree_walk`)."""
+
+
+NEED_WIDTH = NeedWidth()
+
+
+def tree_walk(rows: DraftRows, ref: list[int], budget: int) -> TreeWalk | NeedWidth | None:
+    """The budget-`budget` tree's walk along `ref`, from the stored top-K per slot.
+
+    The same best-first search as `flashdraft.tree.best_first` (same heap entries, same order,
+    so the same nodes; tested against `build_tree`), reduced to what the replay needs: no Tree
+    tensors or child maps, the reference path followed while nodes are popped (a node is on it
+    when its parent is the path's tip and its token is the next reference token).
+
+    The stored top-K may be narrower than min(budget, vocab) (most trees use only the first few
+    ranks of each slot): the search is then exact until a node of the last stored rank is popped,
+    because only that pop would push a sibling the lists do not hold. If more nodes are to be
+    popped after it, the answer is NEED_WIDTH (the caller stores the full top-`budget` and asks
+    again); None means the tree needs the next slot, as in `best_first`.
+    """
+    have, width = rows.top_lp.shape
+    k = min(budget, width)
+    narrow = width < min(budget, rows.vocab)
+    lp = rows.top_lp[:, :k].tolist()  # [S][k]
+    ids = rows.top_ids[:, :k].tolist()
+    num_slots = rows.num_slots
+    scores: list[float] = []
+    path: list[int] = []
+    tip = 0  # node index of the path's last node (0 = root)
+    heap: list[tuple[float, int, int, int, float]] = (
+        [(-lp[0][0], 1, 0, 0, 0.0)] if budget and k and have else []
+    )
+    while heap and len(scores) < budget:
+        neg, depth, rank, parent, parent_score = heapq.heappop(heap)
+        scores.append(-neg)
+        node = len(scores)
+        tok = ids[depth - 1][rank]
+        if parent == tip and len(path) < len(ref) and tok == ref[len(path)]:
+            path.append(node)
+            tip = node
+        if rank + 1 < k:
+            s = parent_score + lp[depth - 1][rank + 1]
+            heapq.heappush(heap, (-s, depth, rank + 1, parent, parent_score))
+        if depth < num_slots:
+            if depth >= have:
+                return None  # identical to the full-width search up to here: it needs the next slot too
+            heapq.heappush(heap, (-(-neg + lp[depth][0]), depth + 1, 0, node, -neg))
+        if narrow and rank == k - 1 and len(scores) < budget:
+            return NEED_WIDTH  # the full lists would push rank k here; later pops may differ
+    cum = torch.tensor(scores, dtype=torch.float32).double().exp().cumsum(0).tolist()  # as Tree.log_probs
     return TreeWalk(path, cum)
 
 
@@ -163,10 +203,11 @@ def accept(
     ref: list[int],
     shared: dict[str, Any] | None = None,
     tree_budget: int = 0,
-) -> Outcome | None:
+) -> Outcome | NeedWidth | None:
     """Drafts accepted at this round start; `ref` = the reference tokens after the bonus (<= B-1 of them).
 
-    None when `rows` holds too few slots to decide (the caller computes the rest and asks again).
+    None when `rows` holds too few slots to decide, NEED_WIDTH when a DDTree needs more of each
+    slot's top-K than `rows` holds (the caller computes the rest and asks again).
     DDTree methods of one start share one build at `tree_budget` (>= every budget) through `shared`.
     """
     have = len(rows.argmax)
@@ -191,6 +232,8 @@ def accept(
         walk = share.get("tree") if share is not None else None
         if walk is None:
             walk = tree_walk(rows, ref, big)
+            if isinstance(walk, NeedWidth):
+                return walk
             if walk is None:
                 if share is not None:
                     share["short"] = len(rows.argmax)

@@ -148,3 +148,89 @@ def test_smaller_budget_is_a_prefix_of_the_largest(seed: int) -> None:
         small = build_tree(logits, n)
         assert small.tokens.tolist() == big.tokens[:n].tolist()
         assert small.parents == big.parents[: n + 1]
+
+
+def test_fast_paths_change_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Eager head over all slots, a narrow stored top-K (widened on demand) and the cropped context
+    decide every round as the lazy, full-width replay does (the pre-speedup algorithm)."""
+    from flashdraft.eval import offline
+
+    widened = []
+    real_widen = offline.DrafterRows.widen
+    monkeypatch.setattr(
+        offline.DrafterRows, "widen", lambda self, st: (widened.append(1), real_widen(self, st))
+    )
+    target = tiny_target("qwen3", vocab=16)
+    drafter = tiny_drafter(target, block_size=8)
+    methods = methods_for([2, 8, 32], [2, 3])
+    items = []
+    for i, prompt in enumerate(_prompts(3, 16, seed=4)):
+        ref = generate(target, None, prompt, max_new_tokens=MAX_NEW, method="ar", stop_token_ids=[]).tokens
+        tf = teacher_forced(target, prompt + ref, drafter.target_layer_ids, head_from=len(prompt) - 1)
+        items.append(ReplayItem(f"s{i}", tf, len(prompt), ref))
+    base = replay_batch(target, drafter, items, methods, topk_width=None, eager=False)
+    for kw in (
+        {"topk_width": 3, "eager": True},
+        {"topk_width": 3, "eager": None},
+        {"topk_width": None, "eager": True},
+    ):
+        fast = replay_batch(target, drafter, items, methods, **kw)
+        for f, z in zip(base, fast, strict=True):
+            assert (f.slot_total, f.slot_correct, f.slot_cond_total, f.slot_cond_correct) == (
+                z.slot_total,
+                z.slot_correct,
+                z.slot_cond_total,
+                z.slot_cond_correct,
+            ), kw
+            for name in f.methods:
+                assert f.methods[name].acceptance_lengths == z.methods[name].acceptance_lengths, (kw, name)
+                assert f.methods[name].predicted == pytest.approx(z.methods[name].predicted, abs=1e-12), (
+                    kw,
+                    name,
+                )
+    assert widened, "the narrow top-K never needed widening: the test does not exercise it"
+    assert any(t > 1 for r in base for t in r.methods["ddtree-32"].acceptance_lengths)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_tree_walk_matches_build_tree(seed: int) -> None:
+    """The replay's own best-first walk == build_tree + walk along the reference; a narrow top-K
+    gives the same walk or says NEED_WIDTH, never a different answer."""
+    from flashdraft.eval.replay import NEED_WIDTH, DraftRows, tree_walk
+
+    g = torch.Generator().manual_seed(seed)
+    slots, vocab = 6, 30
+    logits = torch.randn(slots, vocab, generator=g, dtype=torch.float64) * (0.5 + seed)
+    lp = torch.log_softmax(logits.float(), -1)
+    for budget in (1, 4, 16, 64):
+        tree = build_tree(logits, budget)
+        # a reference that follows the tree for a while (the most probable child), then leaves it
+        ref, node = [], 0
+        while tree.children[node] and len(ref) < 3:
+            tok, node = min(tree.children[node].items(), key=lambda kv: kv[1])
+            ref.append(tok)
+        ref.append(-1)
+        want_path, node = [], 0
+        for tok in ref:
+            if tok not in tree.children[node]:
+                break
+            node = tree.children[node][tok]
+            want_path.append(node)
+        want_cum = torch.exp(tree.log_probs.double()).cumsum(0).tolist()
+        answers = 0
+        for width in (1, 2, 5, min(budget, vocab)):
+            top_lp, top_ids = lp.topk(width, dim=-1)
+            walk = tree_walk(
+                DraftRows(top_lp.max(-1).indices.tolist(), top_lp, top_ids, vocab, slots), ref, budget
+            )
+            if walk is NEED_WIDTH:
+                assert width < min(budget, vocab)
+                continue
+            assert walk.path == want_path and walk.cum_q == want_cum, (budget, width)
+            answers += 1
+        assert answers >= 1
+        # fewer slots than the tree reaches: None, as best_first answers
+        if tree.max_depth > 1:
+            top_lp, top_ids = lp.topk(min(budget, vocab), dim=-1)
+            rows = DraftRows([0], top_lp[:1], top_ids[:1], vocab, slots)
+            assert tree_walk(rows, ref, budget) is None
