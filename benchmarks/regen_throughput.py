@@ -138,6 +138,12 @@ def main() -> None:
     if ref is not None:
         for m, outs in outputs.items():
             results[m]["identical_to_generate"] = sum(a == b for a, b in zip(outs, ref, strict=True))
+            # bf16 near-ties make long greedy continuations drift apart; the shared prefix says how far they agree
+            prefix = [next((k for k, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+                      for a, b in zip(outs, ref, strict=True)]  # fmt: skip
+            results[m]["tokens_before_first_divergence_frac"] = round(
+                sum(prefix) / max(1, sum(len(b) for b in ref)), 4
+            )
 
     meta = {
         "target": target.name, "device": str(dev), "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else None,

@@ -7,4 +7,4 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /
 source benchmarks/gpu/env.sh
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
-timeout ${TEST_SECONDS:-240} python3 -m pytest -q -m gpu tests/train tests/decode -p no:cacheprovider 2>&1 | tee $OUT/gpu_tests.log | tail -25
+timeout ${TEST_SECONDS:-240} python3 -m pytest -q -m gpu ${TESTS:-tests/train tests/decode tests/data} -p no:cacheprovider 2>&1 | tee $OUT/gpu_tests.log | tail -25

@@ -5,13 +5,25 @@ set -uo pipefail
 cp .stage/b/* /root/stage/
 (cd /root/stage && bash join-parts SmolLM2-135M-Instruct.Q4_1.gguf SmolLM2-135M-Instruct.Q4_1.gguf.part*) || exit 1
 source benchmarks/gpu/env.sh
+python3 - $TARGET /root/work/smollm2-bf16 <<'PY'
+import sys, torch
+from flashdraft.target import load_target
+t = load_target(sys.argv[1], dtype=torch.bfloat16, device="cpu")
+# the GGUF weights are already dequantized into plain Linear layers; only the quantizer tag blocks saving
+t.model.hf_quantizer, t.model.is_quantized = None, False
+if hasattr(t.model.config, "quantization_config"):
+    del t.model.config.quantization_config
+t.model.save_pretrained(sys.argv[2]); t.tokenizer.save_pretrained(sys.argv[2])
+PY
+source benchmarks/gpu/env.sh
+echo "target: $TARGET"
 PROMPTS=sharegpt:/root/stage/sharegpt_compact.json.gz
 timeout 150 python3 benchmarks/regen_throughput.py --target $TARGET --input $PROMPTS --n ${BENCH_N:-512} \
   --batch-size 512 --max-new-tokens 256 --methods flashdraft-native,transformers-generate \
   --out $OUT/regen_throughput.json 2>&1 | grep -v "^Convert\|^Loading" | tail -8
 timeout ${REGEN_TIMEOUT:-480} python3 -m flashdraft.cli data regenerate --target $TARGET --input $PROMPTS \
   --out /root/work/data --device cuda --dtype bfloat16 --engine native --batch-size 512 --max-batch-tokens 2500000 \
-  --max-new-tokens 512 --shard-size 4096 --time-limit ${REGEN_MIN:-4.5} --seed 0 \
+  --max-new-tokens 512 --shard-size 4096 --time-limit ${REGEN_MIN:-3.5} --seed 0 \
   --contamination humaneval:/root/stage/HumanEval.jsonl.gz 2>&1 | tr '\r' '\n' | grep -v "skipped bad" > /root/work/regen.log
 grep -v "regenerate:" /root/work/regen.log | tail -6; grep "regenerate:" /root/work/regen.log | awk 'NR % 50 == 0' | tail -4
 cp /root/work/regen.log $OUT/

@@ -8,7 +8,7 @@ STEPS=${1:?optimizer steps}
 T0=$(date +%s)
 ARGS="run_dir=/root/work/run model.target=$TARGET data.dataset=/root/work/data optim.max_steps=$STEPS
   checkpoint.every=${CKPT_EVERY:-200} telemetry.progress=false"
-timeout 560 python3 -m flashdraft.cli train configs/smollm2-b16.yaml $ARGS runtime.time_limit_min=${TRAIN_MIN:-8.3} \
+timeout 560 python3 -m flashdraft.cli train configs/smollm2-b16.yaml $ARGS runtime.time_limit_min=${TRAIN_MIN:-7.5} \
   2>&1 | grep -v "^Convert\|^Loading" | tail -30
 rc=${PIPESTATUS[0]}
 left=$(( 540 - ($(date +%s) - T0) ))

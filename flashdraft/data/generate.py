@@ -138,6 +138,7 @@ def native_generate(
     if max_batch_tokens:
         rows = min(rows, max(1, max_batch_tokens // capacity))
     rows = max(1, min(rows, len(prompts)))
+    refill_at = max(1, rows // 8)  # free rows that trigger a refill (while prompts are waiting)
     net = BatchedNativeTarget(target, rows, capacity)
     stop = torch.tensor(params.stop_ids or [-1], device=dev)
     gen = torch.Generator(device=dev).manual_seed(seed) if params.temperature > 0 else None
@@ -152,6 +153,8 @@ def native_generate(
     span = 1  # host bound on max(lengths) + 1 over the rows
     while True:
         free = [r for r in range(rows) if owner[r] < 0]
+        if len(free) < min(refill_at, len(order)) and len(free) < rows:
+            free = []  # refill in groups: a prefill is one eager forward, too slow to run for every row
         for chunk in _prefill_chunks(free, order, prompts, prefill_tokens):  # refill finished rows
             slots = torch.tensor([r for r, _ in chunk], device=dev)
             lens = torch.tensor([len(prompts[i]) for _, i in chunk], device=dev)
@@ -168,7 +171,7 @@ def native_generate(
             break
         for _ in range(sync_every):
             span = min(span + 1, capacity)
-            new = _choose(net.step(nxt, lengths, span), params, gen)  # [rows]
+            new = _choose(net.step_graphed(nxt, lengths, span), params, gen)  # [rows]
             live = ~done
             tokens[ar, count.clamp(max=n_new - 1)] = torch.where(
                 live, new, tokens[ar, count.clamp(max=n_new - 1)]

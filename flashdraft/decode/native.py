@@ -19,6 +19,7 @@ Used by `flashdraft/decode/engine.py`; `tests/decode/test_engine.py` checks it a
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -199,6 +200,40 @@ class BatchedNativeTarget:
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.target.lm_head(self.inner.norm(h))  # [n, V]
+
+    def step_graphed(
+        self, input_ids: torch.Tensor, lengths: torch.Tensor, span: int, bucket: int = 256
+    ) -> torch.Tensor:
+        """`step` replayed from a CUDA graph (one per span rounded up to `bucket` columns; the mask makes
+        the extra columns inert). Eager, a step is ~1,400 small kernels whose host-side dispatch cost
+        ~100 ms on the H200 machine whatever the batch (benchmarks/RESULTS.md); a replay launches them
+        at once. The returned logits live in the graph's static output: read them before the next call."""
+        if input_ids.device.type != "cuda":
+            return self.step(input_ids, lengths, span)
+        span = min(self.capacity, -(-span // bucket) * bucket)
+        if not hasattr(self, "_graphs"):
+            self._ids = torch.zeros(self.rows, dtype=torch.long, device=input_ids.device)
+            self._len = torch.zeros(self.rows, dtype=torch.long, device=input_ids.device)
+            self._graphs: dict[int, tuple[Any, torch.Tensor]] = {}
+            self._pool = torch.cuda.graph_pool_handle()  # one memory pool shared by every span's graph
+        self._ids.copy_(input_ids)
+        self._len.copy_(lengths)
+        if span not in self._graphs:
+            # warm-up on a side stream (lazy cuBLAS / kernel init), then capture. Both run the step on the
+            # current inputs: its cache writes are the ones the replay below makes anyway
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self.step(self._ids, self._len, span)
+            torch.cuda.current_stream().wait_stream(side)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=self._pool):
+                out = self.step(self._ids, self._len, span)
+            self._graphs[span] = (g, out)
+        g, out = self._graphs[span]
+        g.replay()
+        return out
 
     @torch.no_grad()
     def prefill(self, slots: torch.Tensor, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:

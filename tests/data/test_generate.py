@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from flashdraft.data.generate import (
@@ -113,3 +114,20 @@ def test_native_sampling_is_seeded():
     c = native_generate(target, prompts, params, seed=8, rows=2)
     assert [g.ids for g in a] == [g.ids for g in b]
     assert [g.ids for g in a] != [g.ids for g in c]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_native_generation_with_cuda_graphs_matches_eager_steps(monkeypatch):
+    """On CUDA the step replays a CUDA graph per span bucket; greedy output must equal the eager step's."""
+    from flashdraft.data.generate import native_generate
+    from flashdraft.decode.native import BatchedNativeTarget
+
+    target = tiny_target("qwen3", dtype=torch.float32)
+    target.model.to("cuda")
+    prompts = _prompts(97, [5, 12, 1, 9, 3, 17, 7, 30, 2], seed=4)
+    params = GenerationParams(max_new_tokens=40, stop_ids=[5])
+    graphed = native_generate(target, prompts, params, seed=0, rows=4, sync_every=4)
+    monkeypatch.setattr(BatchedNativeTarget, "step_graphed", lambda self, i, n, s, bucket=256: self.step(i, n, s))
+    eager = native_generate(target, prompts, params, seed=0, rows=4, sync_every=4)
+    assert [g.ids for g in graphed] == [g.ids for g in eager]
