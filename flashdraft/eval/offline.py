@@ -229,12 +229,42 @@ class DrafterRows:
     def _head(self, hidden: torch.Tensor, width: int) -> HeadRows:
         """hidden [R, S, H] (slots 1..S) -> argmax and top-`width` log-probs, as generate/build_tree compute them."""
         r, n, h = hidden.shape
-        # one 2-D contiguous matmul: a strided 3-D input makes F.linear ~9x slower on CPU
-        logits = self.target.lm_head(hidden.reshape(r * n, h))  # [R·S, V]
-        argmax = logits.argmax(dim=-1).view(r, n).tolist()  # [R][S]
-        lp = torch.log_softmax(logits.float(), dim=-1)  # float32, as build_tree normalises
+        x = hidden.reshape(r * n, h)  # one 2-D contiguous matmul: a strided 3-D input is ~9x slower on CPU
+        logits, lp = self._logits(x)  # [R·S, V] each; float32 log-softmax, as build_tree normalises
         top_lp, top_ids = lp.topk(min(width, lp.shape[-1]), dim=-1)  # [R·S, W]
-        return HeadRows(argmax, top_lp.view(r, n, -1).cpu(), top_ids.view(r, n, -1).cpu())
+        # rounding is monotone, so a strict maximum of the log-probs is the logits' strict maximum:
+        # only rows whose top two log-probs tie need the logits' own argmax (what generate takes)
+        if top_lp.shape[1] >= 2:
+            argmax = top_ids[:, 0].clone()
+            tie = (top_lp[:, 0] == top_lp[:, 1]).nonzero().flatten()
+            if len(tie):
+                argmax[tie] = logits[tie].argmax(dim=-1)
+        else:
+            argmax = logits.argmax(dim=-1)
+        return HeadRows(argmax.view(r, n).tolist(), top_lp.view(r, n, -1).cpu(), top_ids.view(r, n, -1).cpu())
+
+    def _logits(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits [N, V], float32 log-softmax [N, V]) of the target's head; on CPU into reused buffers
+        with the head's weight transposed once (fresh 50 MB outputs per call cost page faults, and the
+        NN matmul is faster than F.linear's NT one). Both may be overwritten by the next call."""
+        head = self.target.lm_head
+        if x.device.type != "cpu" or getattr(head, "bias", None) is not None:
+            logits = head(x)
+            return logits, torch.log_softmax(logits.float(), dim=-1)
+        if getattr(self, "_w_t", None) is None:
+            self._w_t = head.weight.detach().t().contiguous()  # [H, V]
+            self._buf: dict[str, torch.Tensor] = {}
+        rows, v = x.shape[0], self._w_t.shape[1]
+
+        def buf(name: str, dtype: torch.dtype) -> torch.Tensor:
+            b = self._buf.get(name)
+            if b is None or b.shape[0] < rows:
+                b = self._buf[name] = torch.empty(max(rows, 256), v, dtype=dtype)
+            return b[:rows]
+
+        logits = torch.mm(x.to(self._w_t.dtype), self._w_t, out=buf("logits", self._w_t.dtype))
+        lp = torch.log_softmax(logits.float(), dim=-1, out=buf("lp", torch.float32))
+        return logits, lp
 
     @torch.no_grad()
     def grow(self, starts: list[StartRows], upto: list[int]) -> None:
