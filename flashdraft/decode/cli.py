@@ -1,7 +1,7 @@
 """`flashdraft generate`: one completion with speculative decoding, then a one-line summary.
 
 flashdraft generate --drafter RUN --prompt "Write a haiku about rain" --chat
-flashdraft generate --drafter models/smollm2-dflash-b16 --prompt "def fib(n):" --method ddtree --budget 8
+flashdraft generate --prompt "def fib(n):" --method ddtree --budget 8     # default target + shipped drafter
 flashdraft generate --method ar --prompt "Hello" --chat --temperature 0.7 --seed 1
 flashdraft generate --target ./tiny --drafter ./tiny-drafter --prompt-ids 5,17,33   # no tokenizer needed
 """
@@ -49,7 +49,7 @@ def register(app: typer.Typer) -> None:
         ),
         target: str = typer.Option("default", help="HF folder, hub-style id, .gguf path, or 'default'"),
         drafter: str | None = typer.Option(
-            None, help="drafter folder, checkpoint folder, or run folder (latest)"
+            None, help="drafter folder, checkpoint folder, or run folder (latest); default target: the shipped one"
         ),
         chat: bool = typer.Option(False, "--chat", help="wrap the prompt in the tokenizer's chat template"),
         method: str = typer.Option("chain", help="chain | ddtree | ar"),
@@ -86,7 +86,12 @@ def register(app: typer.Typer) -> None:
         if method == "ddtree" and budget is None:
             raise typer.BadParameter("--method ddtree needs --budget N (tree nodes excluding the root)")
         if method != "ar" and drafter is None:
-            raise typer.BadParameter(f"--method {method} needs --drafter (or use --method ar)")
+            from flashdraft.target import shipped_drafter
+
+            shipped = shipped_drafter(target)  # the default target's drafter from models/, when present
+            if shipped is None:
+                raise typer.BadParameter(f"--method {method} needs --drafter (or use --method ar)")
+            drafter = str(shipped)
         try:
             t = load_target(target, dtype=dtype, device=device, attn_implementation=attn)
             d = None

@@ -24,8 +24,6 @@ from flashdraft.serve.worker import Engine, EngineSettings
 
 log = logging.getLogger("flashdraft.serve")
 
-# the drafter shipped for the default target (issue 7); used by default when present
-SHIPPED_DRAFTER = Path(__file__).resolve().parents[2] / "models" / "smollm2-135m-instruct-dflash-b16"
 DEFAULT_TARGET_MODEL_ID = "smollm2-135m-instruct"
 
 
@@ -50,14 +48,13 @@ def model_id_for(target: str) -> str:
     return re.sub(r"\.gguf$", "", name)
 
 
-def resolve_drafter(option: str | None) -> str | None:
+def resolve_drafter(option: str | None, target: str = "default") -> str | None:
     """The drafter folder to load, or None for plain autoregressive decoding."""
     if option is None:
-        # the repo checkout's copy, else one under the working directory (a non-editable install)
-        for folder in (SHIPPED_DRAFTER, Path.cwd() / "models" / SHIPPED_DRAFTER.name):
-            if (folder / "config.json").is_file():
-                return str(folder)
-        return None
+        from flashdraft.target import shipped_drafter
+
+        folder = shipped_drafter(target)  # the default target's shipped drafter, if present
+        return str(folder) if folder is not None else None
     if option.lower() in ("none", "ar", ""):
         return None
     return option
@@ -71,7 +68,7 @@ def build_engine(opts: ServeOptions) -> Engine:
     if opts.method not in ("chain", "ddtree", "ar"):
         raise ValueError(f"method {opts.method!r} is unknown: use chain, ddtree or ar")
     target = load_target(opts.target, dtype=opts.dtype, device=opts.device)
-    folder = resolve_drafter(opts.drafter)
+    folder = resolve_drafter(opts.drafter, opts.target)
     drafter = None
     method = opts.method
     if folder is not None:

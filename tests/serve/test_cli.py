@@ -56,15 +56,17 @@ def test_export_command(tmp_path: Path) -> None:
 def test_shipped_drafter_is_the_default_only_when_present(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from flashdraft import target
     from flashdraft.serve import server
 
     shipped = tmp_path / "repo" / "models" / "smollm2-135m-instruct-dflash-b16"
-    monkeypatch.setattr(server, "SHIPPED_DRAFTER", shipped)
+    monkeypatch.setattr(target, "SHIPPED_ROOT", tmp_path / "repo")
     monkeypatch.chdir(tmp_path)
     assert server.resolve_drafter(None) is None  # nothing shipped: plain AR
     assert server.resolve_drafter("none") is None and server.resolve_drafter("x/d") == "x/d"
     shipped.mkdir(parents=True)
     (shipped / "config.json").write_text("{}")
     assert server.resolve_drafter(None) == str(shipped)
+    assert server.resolve_drafter(None, target="some/other-model") is None  # it only fits the default target
     assert server.model_id_for("default") == "smollm2-135m-instruct"
     assert server.model_id_for("/m/Qwen3-8B/") == "Qwen3-8B" and server.model_id_for("a/b.gguf") == "b"
