@@ -1,20 +1,7 @@
 #!/usr/bin/env bash
-# Call 2: join the GGUF; regeneration throughput (native engine vs plain transformers generate, same
+# After staging: regeneration throughput (native engine vs plain transformers generate, same
 # prompts, same run); then regenerate the ShareGPT training set (every user turn) for REGEN_MIN minutes.
 set -uo pipefail
-cp .stage/b/* /root/stage/
-(cd /root/stage && bash join-parts SmolLM2-135M-Instruct.Q4_1.gguf SmolLM2-135M-Instruct.Q4_1.gguf.part*) || exit 1
-source benchmarks/gpu/env.sh
-python3 - $TARGET /root/work/smollm2-bf16 <<'PY'
-import sys, torch
-from flashdraft.target import load_target
-t = load_target(sys.argv[1], dtype=torch.bfloat16, device="cpu")
-# the GGUF weights are already dequantized into plain Linear layers; only the quantizer tag blocks saving
-t.model.hf_quantizer, t.model.is_quantized = None, False
-if hasattr(t.model.config, "quantization_config"):
-    del t.model.config.quantization_config
-t.model.save_pretrained(sys.argv[2]); t.tokenizer.save_pretrained(sys.argv[2])
-PY
 source benchmarks/gpu/env.sh
 echo "target: $TARGET"
 PROMPTS=sharegpt:/root/stage/sharegpt_compact.json.gz

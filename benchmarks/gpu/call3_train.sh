@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
 # Call 3: train the default drafter on the regenerated set for TRAIN_MIN minutes (the LR schedule
 # follows STEPS; runtime.time_limit_min stops with a checkpoint); the drafter comes back in $OUT.
-#   bash benchmarks/gpu/call3_train.sh STEPS
+#   bash benchmarks/gpu/call3_train.sh STEPS        (again in the next call to continue the same run)
+#   INIT_FROM=models/smollm2-135m-instruct-dflash-b16 bash benchmarks/gpu/call3_train.sh STEPS   # start from the shipped drafter
 set -uo pipefail
 source benchmarks/gpu/env.sh
 STEPS=${1:?optimizer steps}
 T0=$(date +%s)
 ARGS="run_dir=/root/work/run model.target=$TARGET data.dataset=/root/work/data optim.max_steps=$STEPS
-  checkpoint.every=${CKPT_EVERY:-200} telemetry.progress=false"
-timeout 560 python3 -m flashdraft.cli train configs/smollm2-b16.yaml $ARGS runtime.time_limit_min=${TRAIN_MIN:-7.5} \
+  checkpoint.every=${CKPT_EVERY:-200} telemetry.progress=false ${INIT_FROM:+model.init_from=$INIT_FROM}"
+# a second call continues the run of the first (the machine stays warm between back-to-back calls)
+R0=""; ls -d /root/work/run/checkpoints/step-* >/dev/null 2>&1 && R0="--resume"
+timeout 560 python3 -m flashdraft.cli train configs/smollm2-b16.yaml $ARGS $R0 runtime.time_limit_min=${TRAIN_MIN:-7.5} \
   2>&1 | grep -v "^Convert\|^Loading" | tail -30
 rc=${PIPESTATUS[0]}
 left=$(( 540 - ($(date +%s) - T0) ))
