@@ -19,6 +19,7 @@ import asyncio
 import logging
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -123,18 +124,26 @@ def loop_generate(
 def native_generate(
     target: TargetModel, prompts: list[list[int]], params: GenerationParams, seed: int, *, rows: int = 256,
     max_batch_tokens: int | None = None, sync_every: int = 8, prefill_tokens: int = 65536, on_batch: Any = None,
+    follow_up: Callable[[int, Generation], list[int] | None] | None = None, priority: list[int] | None = None,
+    max_prompt_len: int | None = None,
 ) -> list[Generation]:  # fmt: skip
     """Continuous batching over a static cache (`BatchedNativeTarget`): `rows` sequences decode together;
     every `sync_every` steps the host reads which rows finished (the only host sync), collects them
-    and refills their rows with the next prompts (longest first). Finished rows idle until then.
+    and refills their rows with the next prompts (highest `priority`, then longest, first). Finished
+    rows idle until then. `follow_up(i, generation)` may return a new prompt when prompt i is done
+    (a conversation's next turn): it goes to the front of the queue and its generation is appended
+    to the result; `max_prompt_len` must then bound every prompt (it sizes the cache).
     Greedy output equals `loop_generate`'s; sampled output depends only on the prompts and the seed."""
     from collections import deque
 
     from flashdraft.decode.native import BatchedNativeTarget
 
     dev, n_new = target.device, params.max_new_tokens
-    order = deque(sorted(range(len(prompts)), key=lambda i: (-len(prompts[i]), i)))
-    capacity = max(len(p) for p in prompts) + n_new
+    prompts = list(prompts)  # follow-ups are appended
+    prio = priority or [0] * len(prompts)
+    order = deque(sorted(range(len(prompts)), key=lambda i: (-prio[i], -len(prompts[i]), i)))
+    longest = max_prompt_len or max(len(p) for p in prompts)
+    capacity = longest + n_new
     if max_batch_tokens:
         rows = min(rows, max(1, max_batch_tokens // capacity))
     rows = max(1, min(rows, len(prompts)))
@@ -189,6 +198,13 @@ def native_generate(
                 g = cut_at_stop(ids_r, params.stop_ids)
                 out[owner[r]] = g
                 finished.append(g)
+                nxt_prompt = follow_up(owner[r], g) if follow_up is not None else None
+                if nxt_prompt is not None:
+                    if len(nxt_prompt) > longest:
+                        raise ValueError(f"follow-up prompt of {len(nxt_prompt)} tokens > max_prompt_len {longest}")
+                    prompts.append(nxt_prompt)
+                    out.append(None)
+                    order.appendleft(len(prompts) - 1)  # the conversation's next turn: its critical path
                 owner[r] = -1
             lengths[idx] = 0
             if on_batch is not None:
@@ -278,12 +294,21 @@ class LocalGenerator:
         self.target, self.params, self.engine = target, params, engine
         self.batch_size, self.max_batch_tokens = batch_size, max_batch_tokens
 
-    def generate(self, prompts: list[list[int]], seed: int, on_batch: Any = None) -> list[Generation]:
+    @property
+    def follows_up(self) -> bool:
+        """True when `generate` takes `follow_up=` (conversations advance turn by turn inside one call)."""
+        return self.engine == "native"
+
+    def generate(
+        self, prompts: list[list[int]], seed: int, on_batch: Any = None, **follow: Any
+    ) -> list[Generation]:  # fmt: skip
         if self.engine == "native":  # schedules its own rows (continuous batching)
             return native_generate(
                 self.target, prompts, self.params, seed, rows=self.batch_size, max_batch_tokens=self.max_batch_tokens,
-                on_batch=on_batch,
+                on_batch=on_batch, **follow,
             )  # fmt: skip
+        if follow:
+            raise ValueError(f"engine {self.engine!r} does not take follow-up prompts (only 'native' does)")
         out: list[Generation | None] = [None] * len(prompts)
         fn = loop_generate if self.engine == "loop" else hf_generate
         batches = plan_batches(

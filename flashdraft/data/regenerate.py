@@ -173,8 +173,27 @@ def regenerate_shard(
     convs: list[Conversation], template: ChatTemplate, generator: Generator, cfg: RegenConfig, shard: int,
     progress: _Progress | None = None,
 ) -> list[Sample]:  # fmt: skip
-    """Turn-synchronous: answer turn 0 of every conversation in one batched call, then turn 1, ..."""
+    """Answer every user turn of the shard's conversations, each given its regenerated history.
+
+    With a generator that takes follow-ups (the native engine) a conversation's next turn enters
+    the running batch as soon as its previous answer is done, longest conversations first, so the
+    rows stay busy through a shard's multi-turn tail. Otherwise turn-synchronous: turn 0 of every
+    conversation in one batched call, then turn 1, ..."""
     builders = [ConversationBuilder(template, c, max_length=cfg.max_length) for c in convs]
+    if getattr(generator, "follows_up", False):
+        _regenerate_async(builders, generator, cfg.seed * 1_000_003 + shard * 1_009, cfg.max_length, progress)
+    else:
+        _regenerate_turn_by_turn(builders, generator, cfg, shard, progress)
+    samples = [s for b in builders for s in b.samples()]
+    if cfg.split_turns:
+        samples = [t for s in samples for t in split_by_turn(s)]
+    return samples
+
+
+def _regenerate_turn_by_turn(
+    builders: list[ConversationBuilder], generator: Generator, cfg: RegenConfig, shard: int,
+    progress: _Progress | None,
+) -> None:  # fmt: skip
     turn = 0
     while True:
         active = [(b, p) for b in builders if (p := b.next_prompt()) is not None]
@@ -187,10 +206,33 @@ def regenerate_shard(
         for (b, _), g in zip(active, gens, strict=True):
             b.add_response(g.ids, g.finish)
         turn += 1
-    samples = [s for b in builders for s in b.samples()]
-    if cfg.split_turns:
-        samples = [t for s in samples for t in split_by_turn(s)]
-    return samples
+
+
+def _regenerate_async(
+    builders: list[ConversationBuilder], generator: Any, seed: int, max_length: int, progress: _Progress | None
+) -> None:  # fmt: skip
+    """Drive every conversation through one generate call: each answer's follow-up is its next prompt."""
+    owner: list[ConversationBuilder] = []
+    firsts: list[list[int]] = []
+    for b in builders:
+        if (p := b.next_prompt()) is not None:
+            owner.append(b)
+            firsts.append(p)
+    if not firsts:
+        return
+
+    def follow(i: int, g: Any) -> list[int] | None:
+        b = owner[i]
+        b.add_response(g.ids, g.finish)
+        p = b.next_prompt()
+        if p is not None:
+            owner.append(b)  # the follow-up's index is the next one: len(owner) - 1
+        return p
+
+    generator.generate(
+        firsts, seed, on_batch=progress.update if progress else None, follow_up=follow,
+        priority=[len(b.conversation.user_turns) for b in owner], max_prompt_len=max_length,
+    )  # fmt: skip
 
 
 def _read_shard(path: Path) -> list[Sample]:
@@ -258,7 +300,9 @@ def regenerate(
             if finished[k]:
                 continue
             if cfg.time_limit_s is not None and time.perf_counter() - t0 > cfg.time_limit_s:
-                log.warning("time limit: %d of %d shards done; rerun with --overwrite to finish", k, len(shards))
+                log.warning(
+                    "time limit: %d of %d shards done; rerun with --overwrite to finish", k, len(shards)
+                )
                 break
             samples = regenerate_shard(sh, template, generator, cfg, k, progress)
             tmp = path_of[k].with_suffix(".tmp")
@@ -274,7 +318,9 @@ def regenerate(
         "target": cfg.target,
         "template": template.describe(),
         "generation": {
-            k: v for k, v in asdict(cfg).items() if k not in ("out", "inputs", "contamination_sources", "time_limit_s")
+            k: v
+            for k, v in asdict(cfg).items()
+            if k not in ("out", "inputs", "contamination_sources", "time_limit_s")
         },
         "sources": cfg.inputs,
         "conversations": sum(len(sh) for sh, p in zip(shards, path_of, strict=True) if p.exists()),

@@ -85,6 +85,21 @@ def test_regenerate_writes_samples(tmp_path, target):
     assert m["template"]["stop_ids"] == tpl.stop_ids and m["target"] == "tiny"
 
 
+def test_native_engine_runs_conversations_asynchronously_with_the_same_result(tmp_path, target):
+    """The native engine feeds each conversation's next turn into the running batch (follow-ups);
+    greedy answers depend only on the history, so the dataset equals the turn-by-turn loop's."""
+    cfg, tpl, params = _setup(tmp_path, "loop")
+    regenerate(cfg, tpl, LocalGenerator(target, params, batch_size=4))
+    cfg2, _, _ = _setup(tmp_path, "native")
+    gen = LocalGenerator(target, params, engine="native", batch_size=3)
+    calls = []
+    inner = gen.generate
+    gen.generate = lambda *a, **k: calls.append(k) or inner(*a, **k)  # type: ignore[method-assign]
+    regenerate(cfg2, tpl, gen)
+    assert len(calls) == 4 and all(k["follow_up"] is not None for k in calls)  # one call per shard
+    assert _dump(tmp_path / "native") == _dump(tmp_path / "loop")
+
+
 class _Interrupt(Exception):
     pass
 
