@@ -104,6 +104,23 @@ def sync_stream(device: torch.device) -> None:
         torch.cuda.current_stream(device).synchronize()
 
 
+def profile_steps(
+    trainer: Trainer, batches: Any, steps: int, grad_accum: int, device: torch.device, block: int
+) -> None:
+    """Where an optimizer step's time goes: torch.profiler over `steps` steps, the top rows by device
+    time (CUDA) or CPU time, printed as a table (the lever for the drafter step's MFU)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        for _ in range(steps):
+            trainer.optimizer_step([next(batches) for _ in range(grad_accum)], Interval(block, device))
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -130,6 +147,8 @@ def main() -> None:
     ap.add_argument("--queue-depth", type=int, default=0, help="> 0: online pipeline with this queue depth")
     ap.add_argument("--target-device", default="same", help="the target's device (pipeline), e.g. cuda:0")
     ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--profile", type=int, default=0,
+                    help="profile this many optimizer steps after the timed ones: print the top kernels / ops")  # fmt: skip
     args = ap.parse_args()
 
     device = torch.device(args.device)
@@ -229,6 +248,8 @@ def main() -> None:
                 "flops": flops,
             }
         )
+    if args.profile:
+        profile_steps(trainer, batches, args.profile, args.grad_accum, device, hcfg.block_size)
     tot = {k: sum(r[k] for r in rows) for k in rows[0]}
     step_s = tot["target_s"] + tot["drafter_s"]
     mfu = tot["flops"] / tot["drafter_s"] / (args.peak_tflops * 1e12)
