@@ -57,18 +57,9 @@ def sync() -> None:
 def load(args: argparse.Namespace) -> tuple[TargetModel, DFlashDrafter, str]:
     dev = DEVICE
     if args.target == "random-smollm2":
-        from transformers import LlamaConfig, LlamaForCausalLM
+        from random_targets import random_target  # benchmarks/ (the script folder)
 
-        torch.manual_seed(0)
-        cfg = LlamaConfig(
-            vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-            num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192, rope_theta=100000.0,
-            rms_norm_eps=1e-5, tie_word_embeddings=True,
-        )  # fmt: skip
-        cfg._attn_implementation = "sdpa"
-        target = TargetModel(
-            LlamaForCausalLM(cfg).to(torch.bfloat16).to(dev), None, name="random SmolLM2-shaped"
-        )
+        target = random_target("random-smollm2", dev, torch.bfloat16)
     else:
         target = load_target(args.target, dtype="bfloat16", device=dev)
     if args.drafter and args.drafter != "random":

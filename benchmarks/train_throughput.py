@@ -41,6 +41,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from random_targets import SHAPES, random_target  # benchmarks/ (the script folder)
 
 from flashdraft.config import load_config
 from flashdraft.drafter import compile_flex_attention
@@ -72,20 +73,6 @@ def synthetic_docs(
             Doc(f"s{i}", rng.integers(0, vocab, length), np.r_[np.zeros(p, bool), np.ones(length - p, bool)])
         )
     return docs
-
-
-def tiny_random_target(device: torch.device, dtype: torch.dtype):  # noqa: ANN201
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from flashdraft.target import TargetModel
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=False,
-    )  # fmt: skip
-    cfg._attn_implementation = "sdpa"
-    return TargetModel(LlamaForCausalLM(cfg).to(device=device, dtype=dtype), name="tiny-random-llama")
 
 
 def attention_pairs(d: DraftBatch) -> int:
@@ -166,8 +153,8 @@ def main() -> None:
     prec = resolve_precision(cfg, device)
     target_device = resolve_target_device(args.target_device, device)
     t_load = time.perf_counter()
-    if args.tiny:
-        target = tiny_random_target(target_device, prec.target)
+    if args.tiny or args.target in SHAPES:
+        target = random_target("random-tiny" if args.tiny else args.target, target_device, prec.target)
     else:
         from flashdraft.target import load_target
 
