@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import time
 from pathlib import Path
@@ -66,6 +67,7 @@ def main() -> None:
         drafter.reset_parameters(0.02)
         drafter, name = drafter.eval(), "random 5-layer b16 (untrained)"
     budgets = [int(b) for b in args.budgets.split(",")]
+    load_before = os.getloadavg()
     t1 = time.perf_counter()
     report = evaluate(target, {"d": drafter}, prompts, budgets=budgets, topk=args.topk,
                       max_new_tokens=args.max_new_tokens, references=refs.references, dataset="humaneval")  # fmt: skip
@@ -82,6 +84,7 @@ def main() -> None:
         "tau": {m: round(s.tau, 3) for m, s in d.methods.items()},
         "agreement_rate": report.references.agreement_rate, "divergences": len(report.references.divergences),
         "threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
+        "load_avg_before": [round(x, 2) for x in load_before], "load_avg_after": [round(x, 2) for x in os.getloadavg()],
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }  # fmt: skip
     out = Path(args.out)
