@@ -188,15 +188,13 @@ class BatchedNativeTarget:
         self.layers = list(target.layers)
         # [layers, 2 (k, v), rows, kv_heads, capacity, head_dim]; zeros so unwritten columns are finite
         self.cache = torch.zeros(
-            len(self.layers),
-            2,
-            rows,
-            self.n_kv,
-            capacity,
-            self.head_dim,
-            dtype=target.dtype,
-            device=target.device,
-        )
+            len(self.layers), 2, rows, self.n_kv, capacity, self.head_dim, dtype=target.dtype, device=target.device
+        )  # fmt: skip
+        # step_graphed: static inputs, and one CUDA graph (with its static output) per span bucket
+        self._ids = torch.zeros(rows, dtype=torch.long, device=target.device)
+        self._len = torch.zeros(rows, dtype=torch.long, device=target.device)
+        self._graphs: dict[int, tuple[Any, torch.Tensor]] = {}
+        self._pool: Any = None  # one memory pool shared by every span's graph, made at the first capture
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.target.lm_head(self.inner.norm(h))  # [n, V]
@@ -211,11 +209,8 @@ class BatchedNativeTarget:
         if input_ids.device.type != "cuda":
             return self.step(input_ids, lengths, span)
         span = min(self.capacity, -(-span // bucket) * bucket)
-        if not hasattr(self, "_graphs"):
-            self._ids = torch.zeros(self.rows, dtype=torch.long, device=input_ids.device)
-            self._len = torch.zeros(self.rows, dtype=torch.long, device=input_ids.device)
-            self._graphs: dict[int, tuple[Any, torch.Tensor]] = {}
-            self._pool = torch.cuda.graph_pool_handle()  # one memory pool shared by every span's graph
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
         self._ids.copy_(input_ids)
         self._len.copy_(lengths)
         if span not in self._graphs:
