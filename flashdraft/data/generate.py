@@ -70,11 +70,12 @@ def _choose(logits: torch.Tensor, params: GenerationParams, gen: torch.Generator
     return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
 
 
-def _left_pad(prompts: list[list[int]], width: int, pad: int) -> torch.Tensor:
-    """[b, width] on the host (one copy to the device later, not one per row)."""
+def _pad_rows(prompts: list[list[int]], width: int, pad: int, *, left: bool) -> torch.Tensor:
+    """[b, width] on the host (one copy to the device later, not one per row), padded on the left or right."""
     ids = torch.full((len(prompts), width), pad, dtype=torch.long)
     for i, p in enumerate(prompts):
-        ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+        at = width - len(p) if left else 0
+        ids[i, at : at + len(p)] = torch.tensor(p, dtype=torch.long)
     return ids
 
 
@@ -88,7 +89,7 @@ def loop_generate(
     lens = torch.tensor([len(p) for p in prompts], device=dev)  # [b]
     P = int(lens.max())
     pad = 0
-    ids = _left_pad(prompts, P, pad).to(dev)  # [b, P]
+    ids = _pad_rows(prompts, P, pad, left=True).to(dev)  # [b, P]
     attn = torch.zeros(
         (b, P + params.max_new_tokens), dtype=torch.long, device=dev
     )  # [b, P + N] preallocated
@@ -168,9 +169,8 @@ def native_generate(
             slots = torch.tensor([r for r, _ in chunk], device=dev)
             lens = torch.tensor([len(prompts[i]) for _, i in chunk], device=dev)
             width = max(len(prompts[i]) for _, i in chunk)
-            ids = torch.zeros(len(chunk), width, dtype=torch.long)  # [n, P] right-padded on the host
-            for j, (r, i) in enumerate(chunk):
-                ids[j, : len(prompts[i])] = torch.tensor(prompts[i])
+            ids = _pad_rows([prompts[i] for _, i in chunk], width, 0, left=False)  # [n, P]
+            for r, i in chunk:
                 owner[r] = i
             first = _choose(net.prefill(slots, ids.to(dev), lens), params, gen)  # [n]
             tokens[slots, 0], nxt[slots], count[slots], lengths[slots] = first, first, 1, lens
@@ -182,9 +182,8 @@ def native_generate(
             span = min(span + 1, capacity)
             new = _choose(net.step_graphed(nxt, lengths, span), params, gen)  # [rows]
             live = ~done
-            tokens[ar, count.clamp(max=n_new - 1)] = torch.where(
-                live, new, tokens[ar, count.clamp(max=n_new - 1)]
-            )
+            col = count.clamp(max=n_new - 1)  # [rows] where each row's token goes (done rows rewrite theirs)
+            tokens[ar, col] = torch.where(live, new, tokens[ar, col])
             count += live
             lengths += live
             nxt = torch.where(live, new, nxt)
@@ -201,7 +200,9 @@ def native_generate(
                 nxt_prompt = follow_up(owner[r], g) if follow_up is not None else None
                 if nxt_prompt is not None:
                     if len(nxt_prompt) > longest:
-                        raise ValueError(f"follow-up prompt of {len(nxt_prompt)} tokens > max_prompt_len {longest}")
+                        raise ValueError(
+                            f"follow-up prompt of {len(nxt_prompt)} tokens > max_prompt_len {longest}"
+                        )
                     prompts.append(nxt_prompt)
                     out.append(None)
                     order.appendleft(len(prompts) - 1)  # the conversation's next turn: its critical path
@@ -242,7 +243,7 @@ def hf_generate(
 
     dev = target.device
     P = max(len(p) for p in prompts)
-    ids = _left_pad(prompts, P, 0).to(dev)  # [b, P]
+    ids = _pad_rows(prompts, P, 0, left=True).to(dev)  # [b, P]
     lens = torch.tensor([len(p) for p in prompts], device=dev)  # [b]
     attn = (torch.arange(P, device=dev)[None, :] >= (P - lens)[:, None]).long()  # [b, P] 1 on real tokens
     cfg = GenerationConfig(
