@@ -44,10 +44,9 @@ import torch
 from random_targets import SHAPES, random_target  # benchmarks/ (the script folder)
 
 from flashdraft.config import load_config
-from flashdraft.drafter import compile_flex_attention
 from flashdraft.train.blocks import DraftBatch
 from flashdraft.train.config import TrainConfig
-from flashdraft.train.launch import build_drafter, resolve_precision
+from flashdraft.train.launch import build_drafter, compile_parts, resolve_precision
 from flashdraft.train.metrics import MetricsLogger
 from flashdraft.train.pipeline import FrozenHeads, QueuedSource, resolve_target_device
 from flashdraft.train.source import InProcessSource
@@ -128,8 +127,10 @@ def main() -> None:
         "--warmup-steps", type=int, default=5, help="untimed steps first (compilation, autotuning)"
     )
     ap.add_argument("--grad-accum", type=int, default=1)
-    ap.add_argument("--compile", default="attention", choices=["attention", "model", "none"],
-                    help="as the train config's runtime.compile")  # fmt: skip
+    ap.add_argument("--compile", default="attention,loss",
+                    help="as the train config's runtime.compile (none, or a subset of attention,loss,model)")  # fmt: skip
+    ap.add_argument("--blocks-per-row", type=int, default=0,
+                    help="as data.blocks_per_row (> 0: static shapes; needed by --compile model)")  # fmt: skip
     ap.add_argument("--peak-tflops", type=float, default=790.0, help="bf16 ceiling of the device (H200: 790)")
     ap.add_argument("--queue-depth", type=int, default=0, help="> 0: online pipeline with this queue depth")
     ap.add_argument("--target-device", default="same", help="the target's device (pipeline), e.g. cuda:0")
@@ -147,6 +148,7 @@ def main() -> None:
         [f"model.num_layers={2 if args.tiny else args.layers}", f"model.block_size={args.block_size}",
          f"data.max_length={args.max_length}", f"data.token_budget={args.token_budget}",
          f"data.max_anchors={args.max_anchors}", f"optim.grad_accum={args.grad_accum}",
+         f"data.blocks_per_row={args.blocks_per_row}",
          f"optim.max_steps={args.steps + args.warmup_steps}", f"runtime.device={device}",
          f"runtime.compile={args.compile}", "data.dataset=<benchmark>", "telemetry.progress=false"],
     )  # fmt: skip
@@ -186,11 +188,7 @@ def main() -> None:
         source = QueuedSource(source, depth=args.queue_depth, device=device, source_device=target_device)
     heads = target if target_device == device else FrozenHeads(target, device)
     attention = "flex" if device.type == "cuda" else "dense"
-    model: Any = drafter
-    if device.type == "cuda" and args.compile == "model":
-        model = torch.compile(drafter)
-    elif device.type == "cuda" and args.compile == "attention":
-        compile_flex_attention()
+    model: Any = compile_parts(drafter, cfg.runtime.compile_parts, device, attention)
     run_dir = tempfile.mkdtemp(prefix="train-throughput-")
     trainer = Trainer(
         cfg, heads, drafter, source, run_dir=run_dir, model=model,
@@ -251,6 +249,7 @@ def main() -> None:
         "max_anchors": args.max_anchors,
         "grad_accum": args.grad_accum,
         "compile": args.compile if device.type == "cuda" else "none",
+        "blocks_per_row": args.blocks_per_row,
         "attention": attention,
         "precision": {"target": str(prec.target), "params": str(prec.params), "compute": str(prec.compute)},
         "steps": args.steps,

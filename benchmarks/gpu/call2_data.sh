@@ -5,7 +5,7 @@ set -uo pipefail
 source benchmarks/gpu/env.sh
 echo "target: $TARGET"
 PROMPTS=sharegpt:/root/stage/sharegpt_compact.json.gz
-timeout 150 python3 benchmarks/regen_throughput.py --target $TARGET --input $PROMPTS --n ${BENCH_N:-512} \
+[ -z "${SKIP_BENCH:-}" ] && timeout 150 python3 benchmarks/regen_throughput.py --target $TARGET --input $PROMPTS --n ${BENCH_N:-512} \
   --batch-size 512 --max-new-tokens 256 --methods flashdraft-native,transformers-generate \
   --out $OUT/regen_throughput.json 2>&1 | grep -v "^Convert\|^Loading" | tail -8
 timeout ${REGEN_TIMEOUT:-480} python3 -m flashdraft.cli data regenerate --target $TARGET --input $PROMPTS \

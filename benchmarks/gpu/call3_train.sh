@@ -8,17 +8,19 @@ source benchmarks/gpu/env.sh
 STEPS=${1:?optimizer steps}
 T0=$(date +%s)
 ARGS="run_dir=/root/work/run model.target=$TARGET data.dataset=/root/work/data optim.max_steps=$STEPS
-  checkpoint.every=${CKPT_EVERY:-200} telemetry.progress=false ${INIT_FROM:+model.init_from=$INIT_FROM}"
+  checkpoint.every=${CKPT_EVERY:-200} telemetry.progress=false ${INIT_FROM:+model.init_from=$INIT_FROM} ${EXTRA:-}"
+# the whole drafter compiled at static shapes (one graph) unless COMPILE says otherwise
+COMPILE=${COMPILE:-"runtime.compile=model,loss data.blocks_per_row=${BLOCKS_PER_ROW:-1024}"}
 # a second call continues the run of the first (the machine stays warm between back-to-back calls)
 R0=""; ls -d /root/work/run/checkpoints/step-* >/dev/null 2>&1 && R0="--resume"
-timeout 560 python3 -m flashdraft.cli train configs/smollm2-b16.yaml $ARGS $R0 runtime.time_limit_min=${TRAIN_MIN:-7.5} \
+timeout 560 python3 -m flashdraft.cli train configs/smollm2-b16.yaml $ARGS $COMPILE $R0 runtime.time_limit_min=${TRAIN_MIN:-7.5} \
   2>&1 | grep -v "^Convert\|^Loading" | tail -30
 rc=${PIPESTATUS[0]}
 left=$(( 540 - ($(date +%s) - T0) ))
-if [ "$rc" != "0" ] && [ "$left" -gt 90 ]; then  # fallback: the whole-model compile path of session 1
-  echo "train exited $rc; retrying with runtime.compile=model for $left s"
+if [ "$rc" != "0" ] && [ "$left" -gt 90 ]; then  # fallback: the eager drafter (compiled attention + loss)
+  echo "train exited $rc; retrying with runtime.compile=attention,loss for $left s"
   R=""; ls /root/work/run/checkpoints/step-* >/dev/null 2>&1 && R="--resume" || rm -rf /root/work/run
-  timeout $left python3 -m flashdraft.cli train configs/smollm2-b16.yaml $ARGS runtime.compile=model $R \
+  timeout $left python3 -m flashdraft.cli train configs/smollm2-b16.yaml $ARGS runtime.compile=attention,loss $R \
     runtime.time_limit_min=$(python3 -c "print(($left - 60) / 60)") 2>&1 | grep -v "^Convert\|^Loading" | tail -20
 fi
 ck=$(ls -d /root/work/run/checkpoints/step-* | tail -1)

@@ -141,6 +141,35 @@ def pack_rows(docs: Sequence[Sequence[Sample]], max_length: int, pad_multiple: i
     return TokenBatch(input_ids, loss_mask, position_ids, doc_ids, sample_ids)
 
 
+def pad_feature_batch(batch: FeatureBatch, rows: int, length: int) -> FeatureBatch:
+    """The same batch laid out in exactly [rows, length] (static shapes for a whole-drafter compile).
+
+    Added rows and columns are padding (doc id −1, no loss), so anchors, labels and the loss are
+    those of the unpadded batch; the features are zero-padded on their own device.
+    """
+    r, s = batch.input_ids.shape
+    if r > rows or s > length:
+        raise ValueError(
+            f"a micro-batch of [{r}, {s}] tokens does not fit the static shape [{rows}, {length}]"
+        )
+    if (r, s) == (rows, length):
+        return batch
+
+    def pad(t: torch.Tensor, value: int | bool) -> torch.Tensor:  # [r, s, ...] → [rows, length, ...]
+        out = torch.full((rows, length, *t.shape[2:]), value, dtype=t.dtype, device=t.device)
+        out[:r, :s] = t
+        return out
+
+    return FeatureBatch(
+        input_ids=pad(batch.input_ids, 0),
+        features=pad(batch.features, 0),
+        loss_mask=pad(batch.loss_mask, False),
+        position_ids=pad(batch.position_ids, 0),
+        doc_ids=pad(batch.doc_ids, -1),
+        sample_ids=batch.sample_ids,
+    )
+
+
 def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     """CPU → device without a host sync: pinned memory and non_blocking on CUDA."""
     device = torch.device(device)

@@ -60,9 +60,15 @@ class AnchorSampler:
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         self.generator.set_state(state["generator"])
 
-    def sample(self, batch: FeatureBatch, max_anchors: int, block_multiple: int = 1) -> Anchors:
+    def sample(
+        self, batch: FeatureBatch, max_anchors: int, block_multiple: int = 1, blocks_per_row: int = 0
+    ) -> Anchors:
         """Anchors per row, padded to the row maximum rounded up to `block_multiple` blocks
-        (few distinct query lengths for compiled kernels; padding blocks carry no loss)."""
+        (few distinct query lengths for compiled kernels; padding blocks carry no loss).
+
+        `blocks_per_row > 0` fixes the shape instead: every row gets exactly that many blocks; a row
+        whose documents offer more anchors keeps a uniform random subset of them.
+        """
         ok = valid_anchor_positions(batch.loss_mask, batch.doc_ids)  # [R, S]
         per_row: list[torch.Tensor] = []
         starts: list[torch.Tensor] = []
@@ -78,10 +84,20 @@ class AnchorSampler:
                     cand = cand[keep.sort().values]
                 picked.append(cand)
                 picked_start.append(torch.full_like(cand, int(in_doc[0])))
-            per_row.append(torch.cat(picked) if picked else torch.zeros(0, dtype=torch.long))
-            starts.append(torch.cat(picked_start) if picked_start else torch.zeros(0, dtype=torch.long))
-        n = max(1, max(len(p) for p in per_row))  # >= 1 block per row keeps shapes non-empty
-        n = -(-n // block_multiple) * block_multiple
+            row_anchors = torch.cat(picked) if picked else torch.zeros(0, dtype=torch.long)
+            row_starts = torch.cat(picked_start) if picked_start else torch.zeros(0, dtype=torch.long)
+            if 0 < blocks_per_row < len(row_anchors):
+                keep = (
+                    torch.randperm(len(row_anchors), generator=self.generator)[:blocks_per_row].sort().values
+                )
+                row_anchors, row_starts = row_anchors[keep], row_starts[keep]
+            per_row.append(row_anchors)
+            starts.append(row_starts)
+        if blocks_per_row > 0:
+            n = blocks_per_row
+        else:
+            n = max(1, max(len(p) for p in per_row))  # >= 1 block per row keeps shapes non-empty
+            n = -(-n // block_multiple) * block_multiple
         r_count = len(per_row)
         positions = torch.zeros(r_count, n, dtype=torch.long)
         doc_start = torch.zeros(r_count, n, dtype=torch.long)

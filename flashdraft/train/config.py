@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 from flashdraft.config import ConfigError
 
+COMPILE_PARTS = {"attention", "loss", "model"}
+
 
 @dataclass
 class ModelConfig:
@@ -40,6 +42,10 @@ class DataConfig:
     max_anchors: int = 512  # per document (paper: 512; 1024 is a common larger setting)
     shuffle: bool = True  # a fresh seeded order every epoch
     pad_multiple: int = 64  # pad row length so compiled kernels see few distinct shapes
+    # 0: each row gets a block per sampled anchor (shapes vary per batch). N > 0: static shapes — every
+    # micro-batch is [token_budget // max_length rows, max_length] with exactly N blocks per row (rows
+    # offering more anchors keep a random N); what runtime.compile=model needs to compile once
+    blocks_per_row: int = 0
 
 
 @dataclass
@@ -70,10 +76,11 @@ class RuntimeConfig:
     dtype: str = "auto"  # auto: bf16 autocast with fp32 master weights on CUDA, float32 on CPU
     seed: int = 0
     deterministic: bool = False  # torch.use_deterministic_algorithms; CPU runs are reproducible either way
-    # on CUDA: "attention" compiles only the FlexAttention call (the drafter runs eager; robust to the
-    # batch shapes changing every step), "model" the whole drafter (faster, but inductor recompiles on
-    # new shapes and hit an assertion on torch 2.11, benchmarks/RESULTS.md), "none"; ignored on CPU
-    compile: str = "attention"
+    # what runs through torch.compile on CUDA (ignored on CPU), comma-separated: "attention" (the
+    # FlexAttention kernel; the drafter eager, any batch shape), "loss" (the lm_head + cross-entropy
+    # chunk, padded to a fixed chunk shape), "model" (the whole drafter, FlexAttention included: needs
+    # data.blocks_per_row > 0 so it compiles once); or "none"
+    compile: str = "attention,loss"
     # stop (with a checkpoint) after this many minutes; the LR schedule still follows max_steps /
     # epochs, so `--resume` continues it (fixed device budgets, preemptible slots)
     time_limit_min: float | None = None
@@ -81,6 +88,11 @@ class RuntimeConfig:
     # where the target (the feature producer) runs: "same" = the drafter's device, "cuda:1", or one
     # device per local rank under torchrun, comma-separated ("cuda:4,cuda:5,cuda:6,cuda:7")
     target_device: str = "same"
+
+    @property
+    def compile_parts(self) -> set[str]:
+        """runtime.compile as a set ("none" → empty)."""
+        return {p.strip() for p in self.compile.split(",") if p.strip() and p.strip() != "none"}
 
 
 @dataclass
@@ -166,8 +178,21 @@ class TrainConfig:
             raise ConfigError(f"optim.max_steps {o.max_steps} must be >= 1")
         if self.runtime.dtype not in ("auto", "float32", "float64", "bfloat16"):
             raise ConfigError(f"runtime.dtype {self.runtime.dtype!r}: use auto, float32, float64 or bfloat16")
-        if self.runtime.compile not in ("attention", "model", "none"):
-            raise ConfigError(f"runtime.compile {self.runtime.compile!r}: use attention, model or none")
+        parts = self.runtime.compile_parts
+        if not parts <= COMPILE_PARTS or (self.runtime.compile.strip() != "none" and not parts):
+            raise ConfigError(
+                f"runtime.compile {self.runtime.compile!r}: use none or a comma-separated subset of "
+                f"{', '.join(sorted(COMPILE_PARTS))} (e.g. attention,loss)"
+            )
+        if "model" in parts and d.blocks_per_row <= 0:
+            raise ConfigError(
+                "runtime.compile=model needs static shapes: set data.blocks_per_row (blocks per packed row, "
+                "e.g. 1024 for 3072-token rows)"
+            )
+        if d.blocks_per_row < 0:
+            raise ConfigError(
+                f"data.blocks_per_row {d.blocks_per_row} must be >= 0 (0: shapes vary per batch)"
+            )
         if self.runtime.time_limit_min is not None and self.runtime.time_limit_min <= 0:
             raise ConfigError(f"runtime.time_limit_min {self.runtime.time_limit_min} must be > 0 (or unset)")
         if self.runtime.attention not in ("auto", "flex", "dense"):

@@ -35,6 +35,30 @@ class Precision:
     compute: torch.dtype | None  # autocast dtype, None = no autocast
 
 
+def compile_parts(model: Any, parts: set[str], device: torch.device, attention: str) -> Any:
+    """Apply runtime.compile on CUDA (CPU runs stay eager): returns the forward to call."""
+    if device.type != "cuda":
+        return model
+    if "loss" in parts:
+        from flashdraft.train.loss import compile_loss
+
+        compile_loss()
+    if "model" in parts:
+        # static shapes (data.blocks_per_row): one graph, no dynamic-shape recompiles — the dynamic
+        # path hit an assertion in inductor's optional coalesced-tiling analysis after step 80 on
+        # torch 2.11 (benchmarks/RESULTS.md); that heuristic stays off as well
+        import torch._inductor.config as inductor_config
+
+        if hasattr(inductor_config.triton, "coalesce_tiling_analysis"):
+            inductor_config.triton.coalesce_tiling_analysis = False
+        return torch.compile(model, dynamic=False)  # FlexAttention is compiled inside the graph
+    if "attention" in parts and attention == "flex":
+        from flashdraft.drafter import compile_flex_attention
+
+        compile_flex_attention()
+    return model
+
+
 def resolve_device(cfg: TrainConfig) -> torch.device:
     if cfg.runtime.device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -178,19 +202,7 @@ def train(
         if attention == "auto":
             attention = "flex" if device.type == "cuda" else "dense"
         model: Any = wrap_drafter(drafter, cfg.distributed.strategy, ctx)  # before the optimizer (FSDP2)
-        if cfg.runtime.compile == "attention" and device.type == "cuda" and attention == "flex":
-            from flashdraft.drafter import compile_flex_attention
-
-            compile_flex_attention()
-        if cfg.runtime.compile == "model" and device.type == "cuda":
-            # Hazard (H200, torch 2.11, 2026-12-02): inductor's coalesced-tiling analysis hit an
-            # assertion when a new batch shape triggered a dynamic-shape recompile after step 80
-            # (benchmarks/RESULTS.md). It is an optional tiling heuristic: turn it off.
-            import torch._inductor.config as inductor_config
-
-            if hasattr(inductor_config.triton, "coalesce_tiling_analysis"):
-                inductor_config.triton.coalesce_tiling_analysis = False
-            model = torch.compile(model)  # compiles flex_attention with it; eager flex is slow on GPU
+        model = compile_parts(model, cfg.runtime.compile_parts, device, attention)
         providers: list[Any] = [source.take_stats]
         if cfg.telemetry.gpu and device.type == "cuda" and ctx.is_main:
             providers.append(GpuStats(device))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -59,12 +60,48 @@ def loss_denominator(drafts: list[DraftBatch], weights: torch.Tensor) -> torch.T
     return total
 
 
+def _ce_chunk(
+    h: torch.Tensor,  # [c, H] in the matmul dtype
+    w: torch.Tensor,  # [V, H] in the matmul dtype
+    labels: torch.Tensor,  # [c] long
+    token_weights: torch.Tensor,  # [c]
+    acc: torch.dtype,  # float32, or float64 for exact tests
+    need_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """One chunk: per-token CE, argmax and (optionally) w_t · d CE / d h. Logits live only in here."""
+    logits = (h @ w.t()).to(acc)  # [c, V]
+    lse = torch.logsumexp(logits, dim=-1)  # [c]
+    ce = lse - logits.gather(1, labels[:, None]).squeeze(1)
+    pred = logits.argmax(-1)
+    if not need_grad:
+        return ce, pred, None
+    p = torch.softmax(logits, dim=-1)  # d CE / d logits = softmax − onehot
+    p.scatter_add_(1, labels[:, None], torch.full_like(p[:, :1], -1.0))
+    p.mul_(token_weights[:, None].to(acc))
+    return ce, pred, p.to(w.dtype) @ w  # [c, H]
+
+
+_CHUNK_FN: Any = _ce_chunk  # compile_loss() swaps in a compiled one
+
+
+def compile_loss() -> None:
+    """Run every chunk of `LinearCrossEntropy` through one torch.compile'd kernel (CUDA training).
+
+    Eager, a chunk is ~10 passes over its [chunk, V] float32 logits (cast, logsumexp, softmax,
+    scatter, scale, cast); compiled they fuse into a few. Chunks are padded to `chunk` rows so
+    one static shape serves every step (train config runtime.compile "loss").
+    """
+    global _CHUNK_FN
+    if _CHUNK_FN is _ce_chunk:
+        _CHUNK_FN = torch.compile(_ce_chunk, dynamic=False)
+
+
 class LinearCrossEntropy(torch.autograd.Function):
     """Σ_t w_t · CE(hidden_t @ weightᵀ, label_t), chunked over tokens; `weight` is frozen.
 
     Forward computes each chunk's logits in float32, its CE, its argmax and — when the input
     needs a gradient — d(sum)/d(hidden) for the chunk, then drops the logits. Backward only
-    scales the stored input gradient. Peak extra memory: one [chunk, V] float32 block.
+    scales the stored input gradient. Peak extra memory: a few [chunk, V] float32 blocks.
     """
 
     @staticmethod
@@ -77,30 +114,34 @@ class LinearCrossEntropy(torch.autograd.Function):
         chunk: int,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         t = hidden.shape[0]
-        need_grad = ctx.needs_input_grad[0]
-        grad = torch.empty_like(hidden) if need_grad else None
+        need_grad = bool(ctx.needs_input_grad[0])
         acc = torch.promote_types(hidden.dtype, torch.float32)  # float32, or float64 for exact tests
-        ce = torch.empty(t, dtype=acc, device=hidden.device)
-        pred = torch.empty(t, dtype=torch.long, device=hidden.device)
         # matmuls in the autocast dtype when autocast is on (a bf16 head: no fp32 copy of [V, H])
         dev = hidden.device.type
         on = torch.is_autocast_enabled(dev)
         cdt = torch.get_autocast_dtype(dev) if on else torch.promote_types(hidden.dtype, weight.dtype)
         w_mat = weight if weight.dtype == cdt else weight.to(cdt)
-        for i in range(0, t, chunk):
-            h = hidden[i : i + chunk].to(cdt)
-            logits = (h @ w_mat.t()).to(acc)  # [c, V]
-            lse = torch.logsumexp(logits, dim=-1)  # [c]
-            lab = labels[i : i + chunk]
-            ce[i : i + chunk] = lse - logits.gather(1, lab[:, None]).squeeze(1)
-            pred[i : i + chunk] = logits.argmax(-1)
-            if grad is not None:
-                p = torch.softmax(logits, dim=-1)  # d CE / d logits = softmax − onehot
-                p.scatter_add_(1, lab[:, None], torch.full_like(p[:, :1], -1.0))
-                p.mul_(token_weights[i : i + chunk, None].to(acc))
-                grad[i : i + chunk] = (p.to(w_mat.dtype) @ w_mat).to(hidden.dtype)  # [c, H]
-            del logits
-        total = (ce * token_weights.to(acc)).sum()
+        h_all = hidden.to(cdt)
+        if _CHUNK_FN is not _ce_chunk:  # compiled: pad to whole chunks, one static shape (padding has w = 0)
+            pad = -t % chunk
+            h_all = torch.nn.functional.pad(h_all, (0, 0, 0, pad))
+            labels = torch.nn.functional.pad(labels, (0, pad))
+            token_weights = torch.nn.functional.pad(token_weights, (0, pad))
+        outs = [
+            _CHUNK_FN(
+                h_all[i : i + chunk],
+                w_mat,
+                labels[i : i + chunk],
+                token_weights[i : i + chunk],
+                acc,
+                need_grad,
+            )
+            for i in range(0, h_all.shape[0], chunk)
+        ]
+        ce = torch.cat([o[0] for o in outs])[:t]
+        pred = torch.cat([o[1] for o in outs])[:t]
+        grad = torch.cat([o[2] for o in outs])[:t].to(hidden.dtype) if need_grad else None
+        total = (ce * token_weights[:t].to(acc)).sum()
         ctx.save_for_backward(grad if grad is not None else torch.empty(0))
         ctx.mark_non_differentiable(ce, pred)
         return total, ce, pred

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from flashdraft.config import to_dict
+from flashdraft.train.batch import pad_feature_batch
 from flashdraft.train.blocks import AnchorSampler, DraftBatch, build_blocks
 from flashdraft.train.checkpoint import (
     TrainerState,
@@ -268,7 +269,10 @@ class Trainer:
                     interval = Interval(self.block_size, self.device)
                 # every rank must take the same decision at the same step (one all-reduce under torchrun)
                 asked, out_of_time = self._agree(
-                    [self._checkpoint_requested, limit_s is not None and time.perf_counter() - started > limit_s]
+                    [
+                        self._checkpoint_requested,
+                        limit_s is not None and time.perf_counter() - started > limit_s,
+                    ]
                 )
                 if self.step % cfg.checkpoint.every == 0 or asked or out_of_time:
                     self._checkpoint_requested = False
@@ -292,11 +296,15 @@ class Trainer:
     def optimizer_step(self, micro: list[Any], interval: Interval) -> list[DraftBatch]:
         """One optimizer step over the micro-batches; returns their (CPU) blocks, e.g. for FLOP counts."""
         cfg = self.cfg
-        # pad the query length N·B to a multiple of data.pad_multiple (few shapes for compiled kernels)
-        blocks_multiple = max(1, cfg.data.pad_multiple // self.block_size)
+        d = cfg.data
+        if d.blocks_per_row > 0:  # static shapes: every micro-batch [rows, length] with blocks_per_row blocks
+            length = -(-d.max_length // d.pad_multiple) * d.pad_multiple
+            micro = [pad_feature_batch(fb, max(1, d.token_budget // d.max_length), length) for fb in micro]
+        # else pad the query length N·B to a multiple of data.pad_multiple (few shapes for compiled kernels)
+        blocks_multiple = max(1, d.pad_multiple // self.block_size)
         drafts_cpu = []
         for fb in micro:
-            anchors = self.anchor_sampler.sample(fb, cfg.data.max_anchors, blocks_multiple)
+            anchors = self.anchor_sampler.sample(fb, d.max_anchors, blocks_multiple, d.blocks_per_row)
             drafts_cpu.append(build_blocks(fb, anchors, self.block_size, self.mask_token_id))
         denom = loss_denominator(drafts_cpu, self.weights).clamp_min(1.0)  # ≥ 1 whenever any slot has a label
         lr = self.schedule(self.step)

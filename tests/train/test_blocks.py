@@ -72,6 +72,29 @@ def test_anchor_validity_and_sampling_are_per_document_and_seeded():
     assert not torch.equal(first.positions, second.positions)
 
 
+def test_blocks_per_row_fixes_the_shape_and_keeps_a_valid_subset():
+    docs = make_docs([30, 20, 40], seed=1)
+    fb = fake_features(pack_rows([[docs[0], docs[1]], [docs[2]]], 64))
+    ok = valid_anchor_positions(fb.loss_mask, fb.doc_ids)
+    dynamic = AnchorSampler(3).sample(fb, max_anchors=6)
+    # room for every anchor: the same anchors as the dynamic sampler, padded to the fixed count
+    roomy = AnchorSampler(3).sample(fb, max_anchors=6, blocks_per_row=16)
+    assert roomy.positions.shape == (2, 16)
+    for r in range(2):
+        assert torch.equal(roomy.positions[r][roomy.valid[r]], dynamic.positions[r][dynamic.valid[r]])
+    # too little room: exactly blocks_per_row distinct valid anchors, still ≤ max_anchors per document
+    tight = AnchorSampler(3).sample(fb, max_anchors=6, blocks_per_row=5)
+    assert tight.positions.shape == (2, 5) and bool(tight.valid.all())
+    for r in range(2):
+        pos = tight.positions[r]
+        assert ok[r, pos].all() and len(set(pos.tolist())) == 5
+        assert torch.equal(pos, pos.sort().values)
+        assert int((pos < 30).sum()) <= 6 if r == 0 else True
+        starts = tight.doc_start[r]
+        assert torch.equal(starts, fb.doc_ids[r, pos].clamp(min=0).new_tensor(
+            [int((fb.doc_ids[r] == fb.doc_ids[r, a]).nonzero()[0]) for a in pos.tolist()]))  # fmt: skip
+
+
 def test_labels_are_same_position_not_shifted_and_dropped_outside_mask():
     docs = make_docs([12, 10], seed=2, prompt_frac=0.25)  # doc0: prompt 3, doc1: prompt 2
     fb = fake_features(pack_rows([[docs[0], docs[1]]], 64))

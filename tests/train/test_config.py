@@ -51,7 +51,10 @@ def test_unknown_keys_and_bad_values_are_errors(overrides, message):
         (["data.dataset=x", "optim.betas=[0.9]"], "optim.betas"),
         (["data.dataset=x", "data.max_anchors=0"], "data.max_anchors 0 must be >= 1"),
         (["data.dataset=x", "runtime.attention=magic"], "runtime.attention"),
-        (["data.dataset=x", "runtime.compile=true"], "runtime.compile .*: use attention, model or none"),
+        (["data.dataset=x", "runtime.compile=true"], "runtime.compile 'True': use none or a comma-separated"),
+        (["data.dataset=x", "runtime.compile=attention,lossy"], "runtime.compile 'attention,lossy'"),
+        (["data.dataset=x", "runtime.compile=model,loss"], "runtime.compile=model needs static shapes: set data.blocks_per_row"),
+        (["data.dataset=x", "data.blocks_per_row=-1"], "data.blocks_per_row -1 must be >= 0"),
         (["data.dataset=x", "runtime.time_limit_min=0"], "runtime.time_limit_min"),
     ],
 )

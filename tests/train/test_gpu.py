@@ -75,3 +75,33 @@ def test_compiled_drafter_trains_with_flex_on_cuda(scope):
         last = float(out.loss)
         first = last if first is None else first
     assert math.isfinite(last) and last < first
+
+
+def test_whole_drafter_compile_with_static_shapes_compiles_once(tmp_path, monkeypatch):
+    """runtime.compile=model,loss + data.blocks_per_row: batches of different lengths and anchor counts
+    (and an epoch's short last batch) all run through the first compiled graph — no recompile."""
+    import torch._dynamo
+
+    from flashdraft.config import load_config
+    from flashdraft.train import loss as loss_mod
+    from flashdraft.train.config import TrainConfig
+    from flashdraft.train.launch import train
+    from flashdraft.train.metrics import read_metrics
+
+    monkeypatch.setattr(loss_mod, "_CHUNK_FN", loss_mod._ce_chunk)  # compile_loss() state ends with the test
+    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
+    torch._dynamo.reset()
+    t = tiny_target("llama", dtype=torch.bfloat16, hidden=64)
+    t.model.to("cuda")
+    docs = make_docs([150, 90, 200, 120, 60, 170, 110, 80, 140], seed=0)
+    cfg = load_config(TrainConfig, None, [
+        f"run_dir={tmp_path / 'run'}", "model.num_layers=2", "model.block_size=8", "data.max_length=320",
+        "data.token_budget=640", "data.max_anchors=32", "data.blocks_per_row=48", "data.dataset=<in-memory>",
+        "optim.max_steps=8", "optim.lr=3e-3", "runtime.device=cuda", "runtime.compile=model,loss",
+        "loss.chunk_tokens=256", "telemetry.log_every=1", "telemetry.tensorboard=false", "telemetry.progress=false",
+        "pipeline.queue_depth=0",
+    ])  # fmt: skip
+    result = train(cfg, target=t, samples=docs)
+    losses = [m["loss"] for m in read_metrics(tmp_path / "run")]
+    assert result.steps == 8 and result.epoch >= 1  # crossed an epoch boundary (a short last batch)
+    assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]

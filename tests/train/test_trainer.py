@@ -180,6 +180,30 @@ def test_gradient_accumulation_matches_one_big_batch(tmp_path):
     assert la["grad_norm"] == pytest.approx(lb["grad_norm"], rel=1e-4)
 
 
+def test_static_shapes_give_the_same_losses_as_dynamic_shapes(tmp_path, monkeypatch):
+    """data.blocks_per_row pads every micro-batch to [token_budget // max_length, max_length] and a fixed
+    block count: with room for every anchor, the losses are those of the unpadded batches."""
+    seen: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    real = trainer_mod.micro_step
+
+    def spy(model, target, fb, draft, *a, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
+        seen.append((tuple(fb.input_ids.shape), tuple(draft.block_ids.shape)))
+        return real(model, target, fb, draft, *a, **k)
+
+    runs = {}
+    for name, extra in [("dynamic", []), ("static", ["data.blocks_per_row=24"])]:
+        seen.clear()
+        monkeypatch.setattr(trainer_mod, "micro_step", spy)
+        make_trainer(tmp_path / name, ["optim.max_steps=6", *extra]).run()
+        runs[name] = read_metrics(tmp_path / name / "run")
+        shapes = set(seen)
+    assert shapes == {((2, 48), (2, 24 * 8))}  # the static run: one shape, also for the epoch's last batch
+    assert runs["static"] and len(runs["static"]) == len(runs["dynamic"])
+    for a, b in zip(runs["dynamic"], runs["static"], strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+        assert b["tokens_seen"] == a["tokens_seen"]
+
+
 # ----------------------------------------------------------------------------- exact resume (subprocess)
 
 
