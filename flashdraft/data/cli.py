@@ -59,8 +59,8 @@ def register(app: typer.Typer) -> None:
         ),
         seed: int = typer.Option(0),
         time_limit: float | None = typer.Option(
-            None, help="minutes: start no new shard after this; the dataset holds the finished shards "
-            "(manifest complete: false); rerun with --overwrite to finish"
+            None, help="minutes: start no shard that would end after this (forecast: the slowest shard so "
+            "far); the dataset holds the finished shards (manifest complete: false); rerun with --overwrite to finish"
         ),
         overwrite: bool = typer.Option(False, help="replace an existing dataset at --out"),
     ) -> None:

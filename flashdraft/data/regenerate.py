@@ -65,8 +65,9 @@ class RegenConfig:
     max_bad_fraction: float = 0.1
     seed: int = 0
     contamination_sources: list[str] = field(default_factory=lambda: ["humaneval"])
-    # start no new shard after this many seconds; the dataset is written from the finished shards
-    # (manifest: "complete": false) and OUT.partial/ is kept, so rerunning with --overwrite completes it
+    # start no shard that would end after this many seconds (forecast: the slowest shard so far; the
+    # first shard always runs); the dataset is written from the finished shards (manifest
+    # "complete": false) and OUT.partial/ is kept, so rerunning with --overwrite completes it
     time_limit_s: float | None = None
 
     def fingerprint(self, template: ChatTemplate) -> dict[str, Any]:
@@ -295,16 +296,20 @@ def regenerate(
     finished = [p.exists() for p in path_of]
     done_turns = sum(len(c.user_turns) for sh, f in zip(shards, finished, strict=True) if f for c in sh)
     progress = _Progress(sum(len(c.user_turns) for c in convs), done_turns)
+    slowest = 0.0  # seconds of the slowest shard of this run: the forecast for the next one
     try:
         for k, sh in enumerate(shards):
             if finished[k]:
                 continue
-            if cfg.time_limit_s is not None and time.perf_counter() - t0 > cfg.time_limit_s:
+            if cfg.time_limit_s is not None and time.perf_counter() - t0 + slowest > cfg.time_limit_s:
                 log.warning(
-                    "time limit: %d of %d shards done; rerun with --overwrite to finish", k, len(shards)
-                )
+                    "time limit: %d of %d shards done (the next would end after the limit); rerun with "
+                    "--overwrite to finish", k, len(shards),
+                )  # fmt: skip
                 break
+            t_shard = time.perf_counter()
             samples = regenerate_shard(sh, template, generator, cfg, k, progress)
+            slowest = max(slowest, time.perf_counter() - t_shard)
             tmp = path_of[k].with_suffix(".tmp")
             _write_parquet(samples, tmp)
             os.replace(tmp, path_of[k])  # a shard exists only once complete

@@ -155,6 +155,15 @@ def test_time_limit_writes_the_finished_shards_and_a_rerun_completes(tmp_path, t
     assert res.shards_skipped == 1 and res.manifest["complete"] is True
     assert _dump(tmp_path / "timed") == _dump(tmp_path / "full")
 
+
+def test_time_limit_starts_no_shard_that_would_end_after_it(tmp_path, target):
+    # shards take >= 1.2 s (two 0.6 s calls); a 2 s limit leaves room to start shard 1 at ~1.2 s
+    # but it would end at ~2.4 s: only shard 0 is done, and the run returns well before 2.4 s
+    cfg, tpl, params = _setup(tmp_path, "timed")
+    cfg.time_limit_s = 2.0
+    res = regenerate(cfg, tpl, _SlowGenerator(LocalGenerator(target, params, batch_size=4), fail_at=-1))
+    assert (res.shards_done, res.shards_total) == (1, 4)
+
 def test_resume_refuses_changed_settings(tmp_path, target):
     cfg, tpl, params = _setup(tmp_path)
     with pytest.raises(_Interrupt):
