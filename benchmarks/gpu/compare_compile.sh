@@ -6,9 +6,11 @@ set -uo pipefail
 source benchmarks/gpu/env.sh
 for mode in "attention" "attention,loss" "model,loss"; do
   bpr=0; [[ $mode == model* ]] && bpr=${BLOCKS_PER_ROW:-1024}
-  tag=${mode//,/+}
+  tag=${mode//,/_}  # $OUT names allow [A-Za-z0-9._-] only
   echo "== runtime.compile=$mode data.blocks_per_row=$bpr"
   timeout ${COMPARE_SECONDS:-200} python3 benchmarks/train_throughput.py --target random-smollm2 \
     --steps ${STEPS:-12} --warmup-steps 3 --queue-depth 2 --max-anchors 320 --compile "$mode" --blocks-per-row $bpr \
-    --json $OUT/train_compile_$tag.json 2>&1 | grep -E "tokens_per_s|mfu|drafter_s|step_s|peak_memory|padding|rror" | head -12
+    --json $OUT/train_compile_$tag.json > /tmp/compile_$tag.log 2>&1
+  echo "exit $?"; grep -E "tokens_per_s|mfu|drafter_s|step_s|peak_memory|padding" /tmp/compile_$tag.log | head -12
+  grep -E "Error|error" /tmp/compile_$tag.log | tail -3; cp /tmp/compile_$tag.log $OUT/
 done
