@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # After staging: regeneration throughput (native engine vs plain transformers generate, same
 # prompts, same run); then regenerate the ShareGPT training set (every user turn) for REGEN_MIN minutes.
+# REGEN_BATCH rows decode together; REGEN_TOKENS bounds rows × (3072 + 512) cache tokens (~23 KB each).
 set -uo pipefail
 source benchmarks/gpu/env.sh
 echo "target: $TARGET"
@@ -9,8 +10,8 @@ PROMPTS=sharegpt:/root/stage/sharegpt_compact.json.gz
   --batch-size 512 --max-new-tokens 256 --methods flashdraft-native,transformers-generate \
   --out $OUT/regen_throughput.json 2>&1 | grep -v "^Convert\|^Loading" | tail -8
 timeout ${REGEN_TIMEOUT:-480} python3 -m flashdraft.cli data regenerate --target $TARGET --input $PROMPTS \
-  --out /root/work/data --device cuda --dtype bfloat16 --engine native --batch-size 512 --max-batch-tokens 2500000 \
-  --max-new-tokens 512 --shard-size 4096 --time-limit ${REGEN_MIN:-3.5} --seed 0 \
+  --out /root/work/data --device cuda --dtype bfloat16 --engine native --batch-size ${REGEN_BATCH:-512} \
+  --max-batch-tokens ${REGEN_TOKENS:-2500000} --max-new-tokens 512 --shard-size ${SHARD:-4096} --time-limit ${REGEN_MIN:-3.5} --seed 0 \
   --contamination humaneval:/root/stage/HumanEval.jsonl.gz 2>&1 | tr '\r' '\n' | grep -v "skipped bad" > /root/work/regen.log
 grep -v "regenerate:" /root/work/regen.log | tail -6; grep "regenerate:" /root/work/regen.log | awk 'NR % 50 == 0' | tail -4
 cp /root/work/regen.log $OUT/
