@@ -44,7 +44,7 @@ def test_regenerate_then_inspect(tmp_path):
     assert r.exit_code == 0, r.output
     assert "wrote" in r.output and "tok/s" in r.output
     m = json.loads((out / "manifest.json").read_text())
-    assert m["counts"]["train"] + m["counts"]["eval"] == 6 and m["engine"] == "hf"
+    assert m["counts"]["train"] + m["counts"]["eval"] == 6 and m["engine"] == "loop"
     assert m["command"].startswith("flashdraft")
     assert m["filters"]["contamination"]["sources"] == ["eval_split"]  # humaneval check switched off
     r = runner.invoke(app, args)  # the dataset exists: refused, not overwritten
