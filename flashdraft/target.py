@@ -327,3 +327,66 @@ def check_pair(target: TargetModel, drafter_cfg: DFlashConfig) -> None:
             f"drafter vocab_size {drafter_cfg.vocab_size} != target vocabulary {target.vocab_size}: "
             "this drafter was trained for another target"
         )
+
+
+INIT_FROM_TARGET = ("none", "last", "next")
+
+
+@torch.no_grad()
+def init_drafter_from_target(drafter: nn.Module, target: TargetModel, mode: str) -> list[int]:
+    """Start a drafter from the target's own weights instead of noise (train config model.init_from_target);
+    returns the target layers copied.
+
+    - `fc` selects the deepest feature in `target_layer_ids` (identity on its H columns, zeros elsewhere),
+      so the fused context starts as that target layer's output, RMS-normed;
+    - drafter layer i is a copy of target layer src[i]: mode "last" → the target's last L_d layers (their
+      output space is the one the target's final norm and lm_head read); "next" → the L_d layers after the
+      deepest feature (the first one reads that feature as it does in the target);
+    - `hidden_norm` gets src[0]'s input_layernorm weight, so the first drafter layer's context keys and
+      values equal src[0]'s on the target's own rows (later layers see the same ctx: an approximation);
+    - q_norm / k_norm are copied where the target has them (Qwen3), else left at 1 (Llama has none: the
+      QK-norm then changes the attention's temperature, which training adjusts);
+    - the drafter's final `norm` gets the target's final norm weight.
+    The drafter must have the target's geometry (heads, head_dim, MLP width: the defaults copy them).
+    """
+    if mode not in INIT_FROM_TARGET:
+        raise ValueError(f"init_from_target {mode!r}: use one of {', '.join(INIT_FROM_TARGET)}")
+    if mode == "none":
+        return []
+    cfg: DFlashConfig = drafter.config
+    n, H = cfg.num_hidden_layers, cfg.hidden_size
+    deepest = max(cfg.target_layer_ids)
+    src = list(range(target.num_layers - n, target.num_layers)) if mode == "last" else list(range(deepest + 1, deepest + 1 + n))
+    if src[-1] >= target.num_layers:
+        raise ValueError(
+            f"init_from_target=next: {n} layers after target layer {deepest} run past the target's "
+            f"{target.num_layers} layers: use 'last' or fewer drafter layers"
+        )
+    fc = torch.zeros_like(drafter.fc.weight)  # [H, k·H]
+    col = cfg.target_layer_ids.index(deepest) * H  # the first occurrence of the deepest layer
+    fc[:, col : col + H] = torch.eye(H, dtype=fc.dtype, device=fc.device)
+    drafter.fc.weight.copy_(fc)
+    drafter.hidden_norm.weight.copy_(target.layers[src[0]].input_layernorm.weight)
+    drafter.norm.weight.copy_(target.final_norm.weight)
+    for d_layer, s in zip(drafter.layers, src, strict=True):
+        t_layer = target.layers[s]
+        pairs = [(d_layer.input_layernorm, t_layer.input_layernorm),
+                 (d_layer.post_attention_layernorm, t_layer.post_attention_layernorm)]  # fmt: skip
+        pairs += [(getattr(d_layer.self_attn, p), getattr(t_layer.self_attn, p)) for p in ("q_proj", "k_proj", "v_proj", "o_proj")]
+        pairs += [(getattr(d_layer.mlp, p), getattr(t_layer.mlp, p)) for p in ("gate_proj", "up_proj", "down_proj")]
+        for p in ("q_norm", "k_norm"):
+            if hasattr(t_layer.self_attn, p):
+                pairs.append((getattr(d_layer.self_attn, p), getattr(t_layer.self_attn, p)))
+        for d, t in pairs:
+            if d.weight.shape != t.weight.shape:
+                raise ValueError(
+                    f"init_from_target: drafter {type(d).__name__} weight {tuple(d.weight.shape)} != target layer "
+                    f"{s}'s {tuple(t.weight.shape)}: leave the drafter's heads/head_dim/intermediate_size unset"
+                )
+            d.weight.copy_(t.weight)
+            t_bias, d_bias = getattr(t, "bias", None), getattr(d, "bias", None)
+            if t_bias is not None:
+                if d_bias is None:
+                    raise ValueError("init_from_target: the target's attention has biases, the drafter none")
+                d_bias.copy_(t_bias)
+    return src

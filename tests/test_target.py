@@ -8,8 +8,10 @@ import pytest
 import torch
 
 from flashdraft import cache as kv
-from flashdraft.target import TargetModel, check_pair, check_supported, drafter_config_for
-from tests.conftest import tiny_target
+from flashdraft.target import (
+    TargetModel, check_pair, check_supported, drafter_config_for, init_drafter_from_target,
+)  # fmt: skip
+from tests.conftest import tiny_drafter, tiny_target
 
 
 def test_selected_features_match_hf_hidden_states(family):
@@ -77,6 +79,46 @@ def test_drafter_config_for_target_and_pair_checks(family):
         drafter_config_for(t, mask_token_id=97)
     with pytest.raises(ValueError, match="does not exist"):
         drafter_config_for(t, target_layer_ids=[1, 6])
+
+
+@pytest.mark.parametrize("mode, ids, src", [("last", [1, 2, 0], [4, 5]), ("next", [0, 2, 1], [3, 4])])
+def test_init_from_target_copies_layers_and_starts_ctx_as_the_deepest_feature(family, mode, ids, src):
+    t = tiny_target(family)
+    d = tiny_drafter(t, layers=2, target_layer_ids=ids)  # the deepest feature is listed second, not last
+    assert init_drafter_from_target(d, t, mode) == src
+    for dl, s in zip(d.layers, src, strict=True):
+        tl = t.layers[s]
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            assert torch.equal(getattr(dl.self_attn, name).weight, getattr(tl.self_attn, name).weight)
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            assert torch.equal(getattr(dl.mlp, name).weight, getattr(tl.mlp, name).weight)
+        assert torch.equal(dl.input_layernorm.weight, tl.input_layernorm.weight)
+        assert torch.equal(dl.post_attention_layernorm.weight, tl.post_attention_layernorm.weight)
+        if family == "qwen3":
+            assert torch.equal(dl.self_attn.k_norm.weight, tl.self_attn.k_norm.weight)
+        else:
+            assert torch.equal(dl.self_attn.k_norm.weight, torch.ones_like(dl.self_attn.k_norm.weight))
+    assert torch.equal(d.norm.weight, t.final_norm.weight)
+    ids_in = torch.randint(3, 90, (1, 12))
+    feats = t.forward(ids_in, layer_ids=ids).features  # [1, 12, 3·H]
+    H = t.hidden_size
+    deepest = feats[..., H : 2 * H]  # the output of target layer max(ids)
+    # the fused context is what target layer src[0] feeds its own k/v projections
+    assert torch.allclose(d.fuse(feats), t.layers[src[0]].input_layernorm(deepest), atol=1e-5)
+
+
+def test_init_from_target_refuses_what_does_not_fit():
+    t = tiny_target("llama")
+    with pytest.raises(ValueError, match="run past the target"):
+        init_drafter_from_target(tiny_drafter(t, layers=2, target_layer_ids=[4]), t, "next")
+    with pytest.raises(ValueError, match="leave the drafter's heads"):
+        init_drafter_from_target(tiny_drafter(t, layers=1, intermediate_size=40), t, "last")
+    with pytest.raises(ValueError, match="use one of none, last, next"):
+        init_drafter_from_target(tiny_drafter(t, layers=1), t, "first")
+    d = tiny_drafter(t, layers=1)
+    before = {k: v.clone() for k, v in d.state_dict().items()}
+    assert init_drafter_from_target(d, t, "none") == []
+    assert all(torch.equal(v, d.state_dict()[k]) for k, v in before.items())
 
 
 def test_refuses_recurrent_and_sliding_targets():

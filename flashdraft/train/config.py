@@ -29,6 +29,10 @@ class ModelConfig:
     mask_token_id: int | None = None  # None: flashdraft.target.default_mask_token_id
     init_std: float = 0.02  # random init of the drafter's linears (the paper trains from scratch)
     init_from: str | None = None  # a DFlash drafter folder to start from instead of random weights
+    # none | last | next: copy target layers into the drafter (last L_d, or those after the deepest feature)
+    # and start fc as the deepest feature (flashdraft.target.init_drafter_from_target). Off: the paper
+    # trains from scratch; the CPU quickstart's briefly trained drafter uses it (benchmarks/RESULTS.md)
+    init_from_target: str = "none"
 
 
 @dataclass

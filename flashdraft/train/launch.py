@@ -88,11 +88,16 @@ def resolve_precision(cfg: TrainConfig, device: torch.device) -> Precision:
 
 
 def build_drafter(cfg: TrainConfig, target: Any, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
-    """A fresh random drafter shaped for the target (or `model.init_from`), seeded by runtime.seed."""
+    """A fresh drafter shaped for the target (or `model.init_from`), seeded by runtime.seed: random, or
+    started from the target's layers (`model.init_from_target`)."""
     from flashdraft.drafter import DFlashDrafter
-    from flashdraft.target import check_pair, drafter_config_for
+    from flashdraft.target import INIT_FROM_TARGET, check_pair, drafter_config_for, init_drafter_from_target
 
     m = cfg.model
+    if m.init_from_target not in INIT_FROM_TARGET:
+        raise ConfigError(f"model.init_from_target {m.init_from_target!r}: use one of {', '.join(INIT_FROM_TARGET)}")
+    if m.init_from and m.init_from_target != "none":
+        raise ConfigError("model.init_from and model.init_from_target both set: pick one starting point")
     if m.init_from:
         drafter = DFlashDrafter.from_pretrained(m.init_from, dtype=dtype, device=device)
         if drafter.config.block_size != m.block_size:
@@ -112,6 +117,10 @@ def build_drafter(cfg: TrainConfig, target: Any, device: torch.device, dtype: to
         torch.manual_seed(cfg.runtime.seed)
         drafter = DFlashDrafter(dcfg)
         drafter.reset_parameters(std=m.init_std)
+        try:
+            init_drafter_from_target(drafter, target, m.init_from_target)
+        except ValueError as e:
+            raise ConfigError(f"model: {e}") from None
         drafter = drafter.to(device=device, dtype=dtype)
     try:
         check_pair(target, drafter.config)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flashdraft.config import load_config
+from flashdraft.config import ConfigError, load_config
 from flashdraft.drafter import DFlashDrafter
 from flashdraft.train import trainer as trainer_mod
 from flashdraft.train.checkpoint import latest_checkpoint, list_checkpoints, prune_checkpoints
@@ -285,3 +285,30 @@ def test_out_of_memory_in_the_target_pass_names_the_knobs(tmp_path):
     tr = make_trainer(tmp_path, ["optim.max_steps=2"], wrap=_Boom)
     with pytest.raises(TrainingError, match=r"target feature pass.*data\.token_budget.*data\.max_length"):
         tr.run()
+
+
+def test_drafter_started_from_the_target_trains(tmp_path):
+    tr = make_trainer(tmp_path, ["optim.max_steps=12", "model.init_from_target=next"])
+    t, d = tr.target, tr.drafter
+    assert d.target_layer_ids == [3]  # 1 drafter layer on a 6-layer target: it copies layer 4
+    assert torch.equal(d.layers[0].mlp.down_proj.weight, t.layers[4].mlp.down_proj.weight)
+    assert torch.equal(d.layers[0].self_attn.q_proj.weight, t.layers[4].self_attn.q_proj.weight)
+    start = {k: v.clone() for k, v in d.state_dict().items()}
+    assert tr.run().steps == 12
+    assert all(torch.isfinite(v).all() for v in d.state_dict().values())
+    assert not torch.equal(start["layers.0.mlp.down_proj.weight"], d.state_dict()["layers.0.mlp.down_proj.weight"])
+    losses = [r["loss"] for r in read_metrics(tmp_path / "run")]
+    assert len(losses) == 12 and sum(losses[-3:]) < sum(losses[:3])
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["model.init_from_target=first"], "use one of none, last, next"),
+        (["model.init_from_target=last", "model.init_from=models/x"], "pick one starting point"),
+        (["model.init_from_target=last", "model.intermediate_size=40"], "leave the drafter's heads"),
+    ],
+)
+def test_init_from_target_config_errors(tmp_path, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        make_trainer(tmp_path, overrides)
