@@ -76,6 +76,10 @@ class TargetOutput:
     features: torch.Tensor | None  # [b, n, k·H] selected layer outputs, concatenated in listed order
 
 
+class _FeaturesDone(Exception):
+    """Raised by the deepest selected layer's hook to end a features-only forward early."""
+
+
 class TargetModel:
     """A frozen causal LM plus the pieces DFlash uses. Not an nn.Module: it is never trained."""
 
@@ -119,12 +123,17 @@ class TargetModel:
         """One forward; features are the outputs of `layer_ids` (HF hidden_states[id + 1])."""
         captured: dict[int, torch.Tensor] = {}
         hooks = []
+        # features only, no cache to fill: the layers after the deepest selected one are skipped
+        # (a features dump for layer 15 of 30 runs half the target)
+        stop_after = max(layer_ids) if layer_ids and logits == "none" and cache is None else None
         for i in layer_ids or []:
             if not 0 <= i < self.num_layers:
                 raise ValueError(f"target layer id {i} does not exist (target has {self.num_layers} layers)")
 
             def hook(_m: nn.Module, _inp: Any, out: Any, i: int = i) -> None:
                 captured[i] = out[0] if isinstance(out, tuple) else out
+                if i == stop_after:
+                    raise _FeaturesDone
 
             hooks.append(self.layers[i].register_forward_hook(hook))
         try:
@@ -136,9 +145,11 @@ class TargetModel:
             if attention_mask is not None:
                 kwargs["attention_mask"] = attention_mask
             if logits == "none":
-                body = self.model.model(input_ids=input_ids, **kwargs)
                 out_logits = None
-                del body
+                try:
+                    self.model.model(input_ids=input_ids, **kwargs)
+                except _FeaturesDone:
+                    pass
             else:
                 if logits == "last":
                     kwargs["logits_to_keep"] = 1

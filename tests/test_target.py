@@ -26,6 +26,25 @@ def test_selected_features_match_hf_hidden_states(family):
     torch.testing.assert_close(out.logits, t.model(ids).logits, rtol=0, atol=0)
 
 
+def test_features_only_forward_stops_at_the_deepest_layer_and_matches(family):
+    t = tiny_target(family)
+    ids = torch.randint(3, 97, (2, 11))
+    layer_ids = [3, 1, 2]
+    ran: list[int] = []
+    hooks = [layer.register_forward_hook(lambda *_a, i=i: ran.append(i)) for i, layer in enumerate(t.layers)]
+    try:
+        early = t.forward(ids, layer_ids=layer_ids, logits="none")
+    finally:
+        for h in hooks:
+            h.remove()
+    assert ran == [0, 1, 2, 3] and early.logits is None  # layers 4 and 5 skipped
+    full = t.forward(ids, layer_ids=layer_ids)  # logits wanted: every layer runs
+    torch.testing.assert_close(early.features, full.features, rtol=0, atol=0)
+    ran.clear()
+    out = t.forward(ids, layer_ids=layer_ids, logits="none")
+    assert ran == [] and torch.equal(out.features, early.features)  # the probe hooks are gone, the forward repeats
+
+
 def test_cache_crop_and_keep_positions(family):
     t = tiny_target(family)
     ids = torch.randint(3, 97, (1, 12))
