@@ -38,6 +38,10 @@ def register(app: typer.Typer) -> None:
         limit: int | None = typer.Option(None, help="use only the first N conversations"),
         shard_size: int = typer.Option(512, help="conversations per resumable shard"),
         split_turns: bool = typer.Option(False, "--split-turns", help="one sample per answered user turn"),
+        max_turns: int | None = typer.Option(
+            None, min=1, help="answer only each conversation's first N user turns (1: the most distinct prompts "
+            "per GPU minute: no history to prefill)"
+        ),
         max_length: int = typer.Option(3072, help="tokens per sample"),
         block_size: int = typer.Option(16, help="drafter block size B: samples keep >= 2·B loss tokens"),
         eval_fraction: float = typer.Option(0.02, help="held-out fraction (hash of the conversation id)"),
@@ -77,7 +81,7 @@ def register(app: typer.Typer) -> None:
             inputs=list(input), out=out, target=target, max_new_tokens=max_new_tokens, temperature=temperature,
             top_p=top_p, thinking=thinking, limit=limit, shard_size=shard_size, max_length=max_length,
             block_size=block_size, eval_fraction=eval_fraction, split_turns=split_turns,
-            max_bad_fraction=max_bad_fraction, seed=seed,
+            max_turns=max_turns, max_bad_fraction=max_bad_fraction, seed=seed,
             contamination_sources=[c for c in contamination if c != "none"],
             time_limit_s=time_limit * 60 if time_limit else None,
         )  # fmt: skip

@@ -62,6 +62,7 @@ class RegenConfig:
     block_size: int = 16  # samples keep >= 2·block_size loss tokens
     eval_fraction: float = 0.02
     split_turns: bool = False
+    max_turns: int | None = None  # answer only each conversation's first N user turns (1: first turns only)
     max_bad_fraction: float = 0.1
     seed: int = 0
     contamination_sources: list[str] = field(default_factory=lambda: ["humaneval"])
@@ -75,6 +76,8 @@ class RegenConfig:
         keys = ("inputs", "target", "max_new_tokens", "temperature", "top_p", "thinking", "limit", "shard_size",
                 "max_length", "split_turns", "seed")  # fmt: skip
         d = {k: getattr(self, k) for k in keys}
+        if self.max_turns is not None:  # absent when unset: shards of earlier runs stay valid
+            d["max_turns"] = self.max_turns
         d["template"] = template.fingerprint
         return d
 
@@ -98,8 +101,20 @@ def conversation_key(c: Conversation) -> str:
     return h.hexdigest()
 
 
+def first_user_turns(c: Conversation, n: int) -> Conversation:
+    """The conversation up to (not including) its (n+1)-th user turn."""
+    users = 0
+    for k, t in enumerate(c.turns):
+        if t.role == "user":
+            users += 1
+            if users > n:
+                return Conversation(c.id, c.turns[:k], c.source, c.group)
+    return c
+
+
 def collect_conversations(cfg: RegenConfig) -> tuple[list[Conversation], Counter[str], SourceStats]:
-    """Every input's conversations, prompt-duplicates removed, ids made unique, `limit` applied."""
+    """Every input's conversations (cut to `max_turns` user turns), prompt-duplicates removed, ids made
+    unique, `limit` applied."""
     stats = SourceStats(max_bad_fraction=cfg.max_bad_fraction)
     drops: Counter[str] = Counter()
     seen: set[str] = set()
@@ -107,6 +122,8 @@ def collect_conversations(cfg: RegenConfig) -> tuple[list[Conversation], Counter
     convs: list[Conversation] = []
     for spec in cfg.inputs:
         for c in iter_conversations(spec, stats):
+            if cfg.max_turns is not None:
+                c = first_user_turns(c, cfg.max_turns)
             key = conversation_key(c)
             if key in seen:
                 drops["duplicate_prompt"] += 1

@@ -274,3 +274,27 @@ def test_client_mode_errors(tmp_path):
             gen.generate([[4, 5, 6, 7]], seed=0)  # a fresh prompt: its only attempt gets the 503
     finally:
         srv.close()
+
+
+def test_max_turns_answers_only_the_first_user_turns(tmp_path, target):
+    cfg, tpl, params = _setup(tmp_path, "full", split_turns=True)
+    regenerate(cfg, tpl, LocalGenerator(target, params, batch_size=8))
+    cfg1, _, _ = _setup(tmp_path, "first", max_turns=1)
+    regenerate(cfg1, tpl, LocalGenerator(target, params, batch_size=8))
+    full, first = _dump(tmp_path / "full"), _dump(tmp_path / "first")
+    assert "sharegpt/q0#t1" in full  # q0 has two turns; with max_turns=1 only its first is answered
+    assert set(first) == {cid.split("#")[0] for cid in full}
+    for cid, (split, ids, mask, _) in first.items():
+        runs = np.flatnonzero(np.diff(np.concatenate([[0], np.array(mask, np.int8), [0]])))
+        assert len(runs) == 2, cid  # one answered turn
+        ref = full.get(f"{cid}#t0", full.get(cid))
+        assert (split, ids, mask) == ref[:3]  # the same first answer (and split) as the full run's
+
+
+def test_max_turns_is_part_of_the_resume_fingerprint(tmp_path, target):
+    cfg, tpl, params = _setup(tmp_path)
+    with pytest.raises(_Interrupt):
+        regenerate(cfg, tpl, _FailingGenerator(LocalGenerator(target, params), fail_at=3))
+    cfg2, _, _ = _setup(tmp_path, max_turns=1)
+    with pytest.raises(ValueError, match="max_turns"):
+        regenerate(cfg2, tpl, LocalGenerator(target, params))
