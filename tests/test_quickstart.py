@@ -21,6 +21,7 @@ def test_train_overrides_make_a_valid_config(preset: str, tmp_path: Path) -> Non
     assert cfg.model.block_size == sizes.block_size and cfg.model.num_layers == sizes.layers
     assert cfg.optim.max_steps == sizes.steps and cfg.optim.lr == sizes.lr
     assert cfg.data.max_anchors == sizes.max_anchors and cfg.data.token_budget == sizes.token_budget
-    assert cfg.loss.gamma == sizes.gamma
+    assert cfg.loss.gamma == sizes.gamma and cfg.model.init_from_target == sizes.init_from_target
     assert cfg.runtime.time_limit_min == sizes.train_minutes
+    assert cfg.model.target_layer_ids == sizes.target_layer_ids
     assert cfg.pipeline.mode == "offline" and cfg.pipeline.features_dir == str(tmp_path / "feats")
