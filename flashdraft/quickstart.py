@@ -1,6 +1,6 @@
 """`flashdraft quickstart`: the whole loop on the embedded default target, with flashdraft's own commands.
 
-    flashdraft quickstart                       # CPU, about 20 minutes on 2 cores
+    flashdraft quickstart                       # CPU, about 13 minutes on 2 cores (measured)
     flashdraft quickstart --device cuda         # larger sizes on a GPU
 
 Stages (each one a real `flashdraft` command, printed before it runs, with its own progress bar):
@@ -55,27 +55,29 @@ class QuickstartSizes:
 
 
 SIZES = {
-    # CPU: sized for ~17 minutes on a 2-core CPU (training capped at train_minutes; benchmarks/RESULTS.md,
-    # "Quickstart on the 2-core CPU"). The lm_head over 49K tokens is most of a CPU training step and costs
-    # the same for every labelled slot, so a b4 drafter with the loss on the first slots (γ = 1) trains
-    # more anchors per minute than b8/b16; chain τ barely uses later slots at this accuracy. Started from
-    # target layers 16–19 (init_from_target=next after feature layer 15), 4 layers beat 1 at equal steps
-    # (held-out chain τ 1.35 vs 1.25 after 500 steps). Answers stop at 96 tokens, the eval's reference length.
+    # CPU: 13.2 minutes measured end to end on an idle 2-core CPU (benchmarks/RESULTS.md, "Quickstart on the
+    # 2-core CPU (2026-12-03)"; training capped at train_minutes, 800 steps took 6.9 of them). The lm_head over
+    # 49K tokens is most of a CPU training step and costs the same for every labelled slot, so a b4 drafter
+    # with the loss on the first slots (γ = 1) trains more anchors per minute than b8/b16; the chain barely
+    # reaches later slots at this accuracy. Started from target layers 16–19 (init_from_target=next after
+    # feature layer 15): measured better than random init and than 1 layer at equal steps. Answers stop at
+    # 96 tokens, the eval's reference length. The drafter overfits its ~22K training tokens (slot 1: 0.60
+    # train, 0.32 held out): more prompts help more than more steps.
     "cpu": QuickstartSizes(
-        prompts=240,
+        prompts=360,
         max_new_tokens=96,
         regen_batch=64,
         max_length=384,
         layers=4,
         target_layer_ids=[15],
         block_size=4,
-        steps=1200,
+        steps=800,
         token_budget=1024,
         max_anchors=16,
         lr=4e-3,
         gamma=1.0,
         init_from_target="next",
-        train_minutes=9.0,
+        train_minutes=7.5,
         eval_prompts=12,
         eval_tokens=96,
         budgets="8,32",

@@ -9,8 +9,12 @@ import torch
 
 from flashdraft import cache as kv
 from flashdraft.target import (
-    TargetModel, check_pair, check_supported, drafter_config_for, init_drafter_from_target,
-)  # fmt: skip
+    TargetModel,
+    check_pair,
+    check_supported,
+    drafter_config_for,
+    init_drafter_from_target,
+)
 from tests.conftest import tiny_drafter, tiny_target
 
 
