@@ -62,7 +62,7 @@ SIZES = {
     # reaches later slots at this accuracy. Started from target layers 16–19 (init_from_target=next after
     # feature layer 15): measured better than random init and than 1 layer at equal steps. Answers stop at
     # 96 tokens, the eval's reference length. The drafter overfits its ~22K training tokens (slot 1: 0.60
-    # train, 0.32 held out): more prompts help more than more steps.
+    # train, 0.32 held out); 480 prompts / 900 steps (15.1 min) gave the same held-out chain τ (1.34 vs 1.36).
     "cpu": QuickstartSizes(
         prompts=360,
         max_new_tokens=96,
