@@ -11,6 +11,7 @@ forward that returns only the selected layers' outputs (hooks, never all hidden 
 from __future__ import annotations
 
 import importlib.util
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -126,11 +127,16 @@ class TargetModel:
         # features only, no cache to fill: the layers after the deepest selected one are skipped
         # (a features dump for layer 15 of 30 runs half the target)
         stop_after = max(layer_ids) if layer_ids and logits == "none" and cache is None else None
+        # the hooks sit on shared modules: a forward running in another thread (an online producer
+        # beside an evaluator) fires them too, and must neither fill nor stop this call
+        owner = threading.get_ident()
         for i in layer_ids or []:
             if not 0 <= i < self.num_layers:
                 raise ValueError(f"target layer id {i} does not exist (target has {self.num_layers} layers)")
 
             def hook(_m: nn.Module, _inp: Any, out: Any, i: int = i) -> None:
+                if threading.get_ident() != owner:
+                    return
                 captured[i] = out[0] if isinstance(out, tuple) else out
                 if i == stop_after:
                     raise _FeaturesDone

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import threading
 
 import pytest
 import torch
@@ -47,6 +48,36 @@ def test_features_only_forward_stops_at_the_deepest_layer_and_matches(family):
     ran.clear()
     out = t.forward(ids, layer_ids=layer_ids, logits="none")
     assert ran == [] and torch.equal(out.features, early.features)  # the probe hooks are gone, the forward repeats
+
+
+def test_a_forward_in_another_thread_does_not_touch_this_ones_features(family):
+    """The feature hooks live on shared layers: a second thread's forward that runs while this one is
+    inside layer 0 (an online producer beside an evaluator) must get its own features, whole."""
+    t = tiny_target(family)
+    a_ids, b_ids = torch.randint(3, 97, (1, 9)), torch.randint(3, 97, (2, 7))
+    layer_ids = [1, 3]
+    want_a = t.forward(a_ids, layer_ids=layer_ids, logits="none").features
+    want_b = t.forward(b_ids, layer_ids=layer_ids, logits="none").features
+    got: dict[str, torch.Tensor] = {}
+
+    def other_thread() -> None:
+        got["b"] = t.forward(b_ids, layer_ids=layer_ids, logits="none").features
+
+    started: list[bool] = []
+
+    def interleave(*_a: object) -> None:  # runs thread B to completion inside A's layer 0
+        if not started:  # (B's own layer 0 fires this hook too)
+            started.append(True)
+            th = threading.Thread(target=other_thread)
+            th.start()
+            th.join()
+
+    h = t.layers[0].register_forward_hook(interleave)
+    try:
+        got["a"] = t.forward(a_ids, layer_ids=layer_ids, logits="none").features
+    finally:
+        h.remove()
+    assert torch.equal(got["a"], want_a) and torch.equal(got["b"], want_b)
 
 
 def test_cache_crop_and_keep_positions(family):
