@@ -4,6 +4,7 @@ global batch; rank 0 writes plain checkpoints; a 2-rank run resumes exactly."""
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import socket
 from pathlib import Path
@@ -38,9 +39,18 @@ def _cfg(run: Path, extra: list[str]) -> TrainConfig:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below Linux's ephemeral range (32768+): a port the OS hands out for port 0 can be
+    reused by the first run's gloo pair connections before the second run's rendezvous binds it
+    (seen once: the FSDP2 rendezvous hung)."""
+    rng = random.Random()
+    while True:
+        port = rng.randrange(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
 
 
 def _worker(rank: int, root: str, ports: list[int]) -> None:
@@ -76,7 +86,11 @@ def test_two_gloo_ranks_equal_one_process_with_the_same_global_batch(tmp_path):
     )
     train(_cfg(tmp_path / "one", ["optim.grad_accum=2"]), target=tiny_target("llama", dtype=torch.float32),
           samples=make_docs(LENGTHS, seed=0))  # fmt: skip
-    mp.spawn(_worker, args=(str(tmp_path), [_free_port() for _ in range(4)]), nprocs=2, join=True)
+    ports: list[int] = []
+    while len(ports) < 4:  # one rendezvous port per run, all different
+        if (port := _free_port()) not in ports:
+            ports.append(port)
+    mp.spawn(_worker, args=(str(tmp_path), ports), nprocs=2, join=True)
 
     one = read_metrics(tmp_path / "one")
     assert [m["step"] for m in one] == list(range(1, STEPS + 1))
