@@ -150,3 +150,19 @@ def test_noise_touches_only_the_drafter_inputs():
     assert all(p.grad is None for p in t.model.parameters())
     # and the mask used is the dense one of the batch (sanity: shapes line up)
     assert dense_block_mask(draft).shape[-1] == fb.features.shape[1] + draft.block_ids.shape[1]
+
+
+def test_frozen_head_cast_is_reused_and_follows_in_place_updates():
+    from flashdraft.train.loss import _cast_frozen
+
+    w = torch.randn(50, 8)
+    a = _cast_frozen(w, torch.bfloat16)
+    assert a.dtype == torch.bfloat16 and torch.equal(a, w.to(torch.bfloat16))
+    assert _cast_frozen(w, torch.bfloat16) is a  # no recast while the head is unchanged
+    assert _cast_frozen(w, torch.float32) is w
+    with torch.no_grad():
+        w.mul_(2.0)  # bumps w._version
+    b = _cast_frozen(w, torch.bfloat16)
+    assert b is not a and torch.equal(b, w.to(torch.bfloat16))
+    other = w.clone()  # same values, another tensor: its own cast
+    assert _cast_frozen(other, torch.bfloat16) is not b
