@@ -2,6 +2,9 @@
 # After staging: regeneration throughput (native engine vs plain transformers generate, same
 # prompts, same run); then regenerate the ShareGPT training set (every user turn) for REGEN_MIN minutes.
 # REGEN_BATCH rows decode together; REGEN_TOKENS bounds rows × (3072 + 512) cache tokens (~23 KB each).
+# MAX_TURNS=1 answers only each conversation's first user turn (the most distinct prompts per minute).
+# DATA_BACK=1 also sends the train split back (a tar in 15 MiB parts, at most 4 of them) so a later
+# session can carry it in instead of regenerating it.
 set -uo pipefail
 source benchmarks/gpu/env.sh
 echo "target: $TARGET"
@@ -11,10 +14,17 @@ PROMPTS=sharegpt:/root/stage/sharegpt_compact.json.gz
   --out $OUT/regen_throughput.json 2>&1 | grep -v "^Convert\|^Loading" | tail -8
 timeout ${REGEN_TIMEOUT:-480} python3 -m flashdraft.cli data regenerate --target $TARGET --input $PROMPTS \
   --out /root/work/data --device cuda --dtype bfloat16 --engine native --batch-size ${REGEN_BATCH:-512} \
-  --max-batch-tokens ${REGEN_TOKENS:-2500000} --max-new-tokens 512 --shard-size ${SHARD:-4096} --time-limit ${REGEN_MIN:-3.5} --seed 0 \
+  --max-batch-tokens ${REGEN_TOKENS:-2500000} --max-new-tokens 512 --shard-size ${SHARD:-4096} ${MAX_TURNS:+--max-turns $MAX_TURNS} --time-limit ${REGEN_MIN:-3.5} --seed 0 \
   --contamination humaneval:/root/stage/HumanEval.jsonl.gz 2>&1 | tr '\r' '\n' | grep -v "skipped bad" > /root/work/regen.log
 grep -v "regenerate:" /root/work/regen.log | tail -6; grep "regenerate:" /root/work/regen.log | awk 'NR % 50 == 0' | tail -4
 cp /root/work/regen.log $OUT/
 cp /root/work/data/manifest.json $OUT/ && mkdir -p $OUT/data_eval && cp -r /root/work/data/eval $OUT/data_eval/ \
   && cp /root/work/data/manifest.json $OUT/data_eval/
 du -sh /root/work/data
+if [ -n "${DATA_BACK:-}" ]; then
+  tar -C /root/work -cf /root/work/data-train.tar data/manifest.json data/train
+  ls -la /root/work/data-train.tar
+  mkdir -p $OUT/data_train && bash benchmarks/gpu/split15.sh /root/work/data-train.tar $OUT/data_train
+  n=$(ls $OUT/data_train/*.part* | wc -l)
+  [ "$n" -gt 4 ] && { echo "train split is $n parts (> 4): not sent back"; rm -rf $OUT/data_train; }
+fi

@@ -2,6 +2,7 @@
 
 flashdraft data regenerate --input sharegpt --limit 4 --max-length 512 --max-new-tokens 32 --out /tmp/regen-demo
 flashdraft data inspect /tmp/regen-demo
+flashdraft data merge --out data/all data/turn1 data/turns2
 flashdraft data sources
 """
 
@@ -12,7 +13,8 @@ import typer
 
 def register(app: typer.Typer) -> None:
     data = typer.Typer(
-        help="Training data: regenerate responses with the target, inspect datasets.", no_args_is_help=True
+        help="Training data: regenerate responses with the target, merge and inspect datasets.",
+        no_args_is_help=True,
     )
     app.add_typer(data, name="data")
 
@@ -39,8 +41,10 @@ def register(app: typer.Typer) -> None:
         shard_size: int = typer.Option(512, help="conversations per resumable shard"),
         split_turns: bool = typer.Option(False, "--split-turns", help="one sample per answered user turn"),
         max_turns: int | None = typer.Option(
-            None, min=1, help="answer only each conversation's first N user turns (1: the most distinct prompts "
-            "per GPU minute: no history to prefill)"
+            None,
+            min=1,
+            help="answer only each conversation's first N user turns (1: the most distinct prompts "
+            "per GPU minute: no history to prefill)",
         ),
         max_length: int = typer.Option(3072, help="tokens per sample"),
         block_size: int = typer.Option(16, help="drafter block size B: samples keep >= 2·B loss tokens"),
@@ -63,8 +67,9 @@ def register(app: typer.Typer) -> None:
         ),
         seed: int = typer.Option(0),
         time_limit: float | None = typer.Option(
-            None, help="minutes: start no shard that would end after this (forecast: the slowest shard so "
-            "far); the dataset holds the finished shards (manifest complete: false); rerun with --overwrite to finish"
+            None,
+            help="minutes: start no shard that would end after this (forecast: the slowest shard so "
+            "far); the dataset holds the finished shards (manifest complete: false); rerun with --overwrite to finish",
         ),
         overwrite: bool = typer.Option(False, help="replace an existing dataset at --out"),
     ) -> None:
@@ -126,6 +131,33 @@ def register(app: typer.Typer) -> None:
             f"({res.shards_skipped} resumed, {res.shards_done} in the dataset); {res.generated_tokens:,} tokens generated in {res.seconds:.1f} s "
             f"({rate:,.0f} tok/s); dropped {m['dropped']}"
         )
+
+    @data.command()
+    def merge(
+        inputs: list[str] = typer.Argument(
+            ..., help="two or more dataset folders (same target, template, split)"
+        ),
+        out: str = typer.Option(..., "--out", help="dataset folder to write"),
+        contamination: list[str] = typer.Option(
+            ["humaneval"], help="eval sources whose word 13-grams drop training samples; 'none' to disable"
+        ),
+        overwrite: bool = typer.Option(False, help="replace an existing dataset at --out"),
+    ) -> None:
+        """Merge regenerated datasets: each sample once (a longer answer of the same conversation wins)."""
+        import sys
+
+        from flashdraft.data.dataset import DatasetError
+        from flashdraft.data.merge import describe, merge_datasets
+
+        try:
+            m = merge_datasets(
+                inputs, out, contamination_sources=[c for c in contamination if c != "none"],
+                overwrite=overwrite, command=" ".join(["flashdraft", *sys.argv[1:]]),
+            )  # fmt: skip
+        except DatasetError as e:
+            typer.secho(f"data merge: {e}", fg="red", err=True)
+            raise typer.Exit(2) from None
+        typer.echo(f"wrote {out}: {describe(m)}")
 
     @data.command()
     def inspect(
