@@ -63,6 +63,26 @@ def attention_geometry(target: TargetModel) -> tuple[int, int, int]:
     return n_heads, n_kv, int(getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads)
 
 
+class HeadFP32:
+    """The target's lm_head evaluated in at least float32 (a float32 copy of the weight, made once).
+
+    A bf16 head over a 49K vocabulary rounds logits of ~20 to steps of 0.125, so the top two tie exactly
+    often: on the H200 every divergence of a bf16 speculative decode from bf16 AR sat at a top-2 margin
+    of 0.0–0.5, most at 0.0 (benchmarks/RESULTS.md, session 5), and two regenerations of the same prompts
+    in different batches split at a median of 25 answer tokens. Float32 logits leave only the ties
+    the hidden states themselves make; the cost is one float32 matmul of [q, H] × [H, V] per forward."""
+
+    def __init__(self, lm_head: torch.nn.Module) -> None:
+        w = lm_head.weight
+        dt = torch.promote_types(w.dtype, torch.float32)
+        self.weight = w.detach().to(dt)  # [V, H]; a copy only when the head is narrower than float32
+        b = getattr(lm_head, "bias", None)
+        self.bias = None if b is None else b.detach().to(dt)
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden.to(self.weight.dtype), self.weight, self.bias)
+
+
 @dataclass
 class NativeOutput:
     logits: torch.Tensor | None  # [q, V]
@@ -118,6 +138,7 @@ class NativeTarget:
         self.capacity = capacity
         self.inner = target.model.model  # LlamaModel / Qwen3Model ...: embed_tokens, layers, norm, rotary_emb
         self.layers = list(target.layers)
+        self.head = HeadFP32(target.lm_head)
         # [layers, 2 (k, v), kv_heads, capacity, head_dim]; zeros so unwritten rows are finite
         self.cache = torch.zeros(
             len(self.layers), 2, self.n_kv, capacity, self.head_dim, dtype=target.dtype, device=target.device
@@ -159,7 +180,7 @@ class NativeTarget:
             # HF's hidden_states[-1] is final-normed; TargetModel.forward matches that, so do we
             parts = [self.inner.norm(captured[i]) if i == last else captured[i] for i in layer_ids]
             feats = torch.cat(parts, dim=-1)[0]  # [q, k·H] in listed order
-        out_logits = self.target.lm_head(self.inner.norm(h))[0] if logits else None  # [q, V]
+        out_logits = self.head(self.inner.norm(h))[0] if logits else None  # [q, V], float32 at least
         return NativeOutput(out_logits, feats)
 
 
@@ -186,6 +207,7 @@ class BatchedNativeTarget:
         self.rows, self.capacity = rows, capacity
         self.inner = target.model.model
         self.layers = list(target.layers)
+        self.head = HeadFP32(target.lm_head)
         # [layers, 2 (k, v), rows, kv_heads, capacity, head_dim]; zeros so unwritten columns are finite
         self.cache = torch.zeros(
             len(self.layers), 2, rows, self.n_kv, capacity, self.head_dim, dtype=target.dtype, device=target.device
@@ -197,7 +219,7 @@ class BatchedNativeTarget:
         self._pool: Any = None  # one memory pool shared by every span's graph, made at the first capture
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self.target.lm_head(self.inner.norm(h))  # [n, V]
+        return self.head(self.inner.norm(h))  # [n, V], float32 at least
 
     def step_graphed(
         self, input_ids: torch.Tensor, lengths: torch.Tensor, span: int, bucket: int = 256

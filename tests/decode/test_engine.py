@@ -85,6 +85,30 @@ def test_native_drafter_matches_reference(family):
         torch.testing.assert_close(got, target.lm_head(hidden)[0], rtol=0, atol=1e-10)
 
 
+def test_target_logits_are_float32_on_a_bf16_target():
+    """bf16 logits tie exactly at the top often enough to split AR from verify (HeadFP32's docstring):
+    the native forwards (engine and regeneration) compute the head in float32 on the bf16 hidden states."""
+    from flashdraft.decode.native import BatchedNativeTarget
+
+    target = tiny_target("llama", layers=2, dtype=torch.bfloat16, vocab=211)
+    ids = torch.randint(3, target.vocab_size, (9,), generator=torch.Generator().manual_seed(1))
+    native = NativeTarget(target, capacity=16)
+    out = native.forward(ids, torch.arange(9), torch.arange(9), torch.arange(16)[None] <= torch.arange(9)[:, None],
+                         layer_ids=[1])  # fmt: skip
+    assert out.logits is not None and out.logits.dtype == torch.float32
+    w = target.lm_head.weight.float()
+    torch.testing.assert_close(
+        out.logits, out.features.float() @ w.T, rtol=0, atol=0
+    )  # last layer: final-normed
+    assert not torch.equal(
+        out.logits, target.lm_head(out.features).float()
+    )  # the bf16 head rounds differently
+    batched = BatchedNativeTarget(target, rows=2, capacity=16)
+    first = batched.prefill(torch.arange(2), ids[None].expand(2, -1).contiguous(), torch.tensor([9, 9]))
+    assert first.dtype == torch.float32
+    torch.testing.assert_close(first[0], out.logits[-1], rtol=0, atol=0.1)  # bf16 hidden states: other kernels
+
+
 def test_native_support_refuses_other_families():
     from transformers import GPT2Config, GPT2LMHeadModel
 
