@@ -26,5 +26,5 @@ if [ -n "${DATA_BACK:-}" ]; then
   ls -la /root/work/data-train.tar
   mkdir -p $OUT/data_train && bash benchmarks/gpu/split15.sh /root/work/data-train.tar $OUT/data_train
   n=$(ls $OUT/data_train/*.part* | wc -l)
-  [ "$n" -gt 4 ] && { echo "train split is $n parts (> 4): not sent back"; rm -rf $OUT/data_train; }
+  if [ "$n" -gt 4 ]; then echo "train split is $n parts (> 4): not sent back"; rm -rf $OUT/data_train; fi
 fi
