@@ -218,9 +218,12 @@ class FastEngine:
         self.block = drafter.block_size if drafter is not None else 1
         self.max_budget = max_budget
         self.max_q = max(self.block, max_budget + 1 if drafter is not None else 1)
-        self.capacity = max_len + self.max_q  # a verify writes up to max_q rows past the committed length
+        # a verify writes up to max_q rows past the committed length. Both caches round up to 16 columns:
+        # SDPA's fused kernels want the mask's rows 16-aligned and would copy an unaligned mask in every layer
+        self.capacity = -(-(max_len + self.max_q) // 16) * 16
+        d_capacity = -(-(max_len + self.block) // 16) * 16
         self.native = NativeTarget(target, self.capacity)
-        self.ndrafter = NativeDrafter(drafter, target, max_len + self.block) if drafter is not None else None
+        self.ndrafter = NativeDrafter(drafter, target, d_capacity) if drafter is not None else None
         self.layer_ids = list(drafter.target_layer_ids) if drafter is not None else []
         dev, long = self.device, dict(dtype=torch.long, device=self.device)
         # -- round state (device scalars): the bonus sits at position seq_len and has no K/V yet
@@ -234,7 +237,7 @@ class FastEngine:
         if drafter is not None:
             feat_dim = len(self.layer_ids) * target.hidden_size
             self.pending = torch.zeros(self.block, feat_dim, dtype=target.dtype, device=dev)  # [B, k·H]
-            self.dkv_idx = torch.arange(max_len + self.block, **long)
+            self.dkv_idx = torch.arange(d_capacity, **long)
             self.mask_ids = torch.full((self.block - 1,), drafter.mask_token_id, **long)
             self.draft_logits = torch.zeros(self.block - 1, target.vocab_size, dtype=target.dtype, device=dev)
             self.draft_tokens = torch.zeros(self.block - 1, **long)

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from flashdraft.drafter import DFlashDrafter, rotate_half
+from flashdraft.drafter import DFlashDrafter
 from flashdraft.target import TargetModel
 
 # families whose decoder layer is exactly: norm → q/k/v (+bias, +QK-norm) → RoPE → attention →
@@ -89,9 +89,36 @@ class NativeOutput:
     features: torch.Tensor | None  # [q, k·H] outputs of layer_ids, concatenated in listed order
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x [1, heads, q, hd]; cos/sin [1, 1, q, hd]
-    return x * cos + rotate_half(x) * sin
+# Every op below is a kernel that a CUDA graph replays each round, and a small model's step is bound by
+# their number, not by bandwidth (benchmarks/engine_op_count.py): hence RoPE for q and k in one pass, the
+# rotation as a roll, and the mask converted once per forward instead of inside SDPA in every layer.
+
+
+def _rope_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin with its first half negated): rotate_half(x) · sin == roll(x, hd/2) · sin_signed."""
+    half = sin.shape[-1] // 2
+    return cos, torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+
+
+def _rope_qk(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE on q [b, heads, n, hd] and k [b, kv, n, hd] in one pass (cos/sin [b, 1, n, hd]); HF's
+    x·cos + rotate_half(x)·sin, with rotate_half(x) = roll(x, hd/2) and its sign folded into sin_signed."""
+    qk = torch.cat([q, k], dim=1)  # [b, heads + kv, n, hd]
+    qk = qk * cos + qk.roll(qk.shape[-1] // 2, dims=-1) * sin_signed
+    return qk[:, : q.shape[1]], qk[:, q.shape[1] :]
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
+
+
+def _additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """bool mask (True = attend) → 0 / −inf in `dtype`, the form SDPA converts a boolean mask to."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
+        ~allowed, float("-inf")
+    )
 
 
 def _target_qkv(
@@ -99,7 +126,8 @@ def _target_qkv(
     sin: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """One HF decoder layer's attention inputs: h [b, q, H] → q [b, heads, q, hd], k and v [b, kv, q, hd],
-    RoPE applied (cos/sin [b, 1, q, hd]); Qwen3's per-head QK-norm before RoPE, biases inside the projections."""
+    RoPE applied (cos/sin_signed [b, 1, q, hd], `_rope_tables`); Qwen3's per-head QK-norm before RoPE,
+    biases inside the projections."""
     attn = layer.self_attn
     b, q_len, _ = h.shape
     x = layer.input_layernorm(h)
@@ -108,14 +136,14 @@ def _target_qkv(
     v = attn.v_proj(x).view(b, q_len, n_kv, head_dim)
     if hasattr(attn, "q_norm"):  # Qwen3 QK-norm, per head, before RoPE
         q, k = attn.q_norm(q), attn.k_norm(k)
-    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [b, heads|kv, q, hd]
-    return _rope(q, cos, sin), _rope(k, cos, sin), v
+    q, k = _rope_qk(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # [b, heads|kv, q, hd]
+    return q, k, v.transpose(1, 2)
 
 
 def _attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """q [1, heads, q, hd] over the whole cache k/v [1, kv, S, hd]; allowed [q, S] (True = attend)."""
+    """q [1, heads, q, hd] over the whole cache k/v [1, kv, S, hd]; mask [q, S] additive (`_additive_mask`)."""
     rep = q.shape[1] // k.shape[1]
     if rep > 1:
         # expand-then-reshape makes one copy of the cache per layer; it keeps SDPA on its fused
@@ -123,7 +151,7 @@ def _attend(
         b, kv, s, hd = k.shape
         k = k[:, :, None].expand(b, kv, rep, s, hd).reshape(b, kv * rep, s, hd)
         v = v[:, :, None].expand(b, kv, rep, s, hd).reshape(b, kv * rep, s, hd)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[None, None], scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[None, None], scale=scale)
 
 
 class NativeTarget:
@@ -157,7 +185,8 @@ class NativeTarget:
     ) -> NativeOutput:
         h = self.inner.embed_tokens(input_ids[None])  # [1, q, H]
         cos, sin = self.inner.rotary_emb(h, positions[None])  # [1, q, hd] each, computed as HF does
-        cos, sin = cos[:, None], sin[:, None]  # [1, 1, q, hd]
+        cos, sin = _rope_tables(cos[:, None], sin[:, None])  # [1, 1, q, hd]
+        mask = _additive_mask(allowed, h.dtype)  # [q, capacity], once for every layer
         q_len = input_ids.shape[0]
         wanted = set(layer_ids or [])
         captured: dict[int, torch.Tensor] = {}
@@ -168,7 +197,7 @@ class NativeTarget:
             )  # [1, heads|kv, q, hd]
             self.cache[i, 0].index_copy_(1, write_rows, k[0])  # cache[i, 0]: [kv, S, hd]
             self.cache[i, 1].index_copy_(1, write_rows, v[0])
-            o = _attend(q, self.cache[i, 0][None], self.cache[i, 1][None], allowed, attn.scaling)
+            o = _attend(q, self.cache[i, 0][None], self.cache[i, 1][None], mask, attn.scaling)
             o = o.transpose(1, 2).reshape(1, q_len, self.n_heads * self.head_dim)  # [1, q, heads·hd]
             h = h + attn.o_proj(o)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
@@ -261,7 +290,7 @@ class BatchedNativeTarget:
         h = self.inner.embed_tokens(input_ids)  # [n, P, H]
         pos = torch.arange(p_len, device=h.device)[None].expand(n, p_len)  # [n, P]
         cos, sin = self.inner.rotary_emb(h, pos)  # [n, P, hd]
-        cos, sin = cos[:, None], sin[:, None]  # [n, 1, P, hd]
+        cos, sin = _rope_tables(cos[:, None], sin[:, None])  # [n, 1, P, hd]
         rep = self.n_heads // self.n_kv
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
@@ -289,10 +318,9 @@ class BatchedNativeTarget:
         ar = torch.arange(rows, device=input_ids.device)
         h = self.inner.embed_tokens(input_ids[:, None])  # [rows, 1, H]
         cos, sin = self.inner.rotary_emb(h, lengths[:, None])  # [rows, 1, hd]
-        cos, sin = cos[:, None], sin[:, None]  # [rows, 1, 1, hd]
-        allowed = (torch.arange(span, device=h.device)[None] <= lengths[:, None])[
-            :, None, None
-        ]  # [rows, 1, 1, span]
+        cos, sin = _rope_tables(cos[:, None], sin[:, None])  # [rows, 1, 1, hd]
+        allowed = torch.arange(span, device=h.device)[None] <= lengths[:, None]  # [rows, span]
+        mask = _additive_mask(allowed, h.dtype)[:, None, None]  # [rows, 1, 1, span]
         rep = self.n_heads // self.n_kv
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
@@ -306,7 +334,7 @@ class BatchedNativeTarget:
             # [rows, kv, span, hd] keeps SDPA on a fused kernel without copying the cache per head
             o = F.scaled_dot_product_attention(
                 q.reshape(rows, self.n_kv, rep, self.head_dim), kc[:, :, :span], vc[:, :, :span],
-                attn_mask=allowed, scale=attn.scaling,
+                attn_mask=mask, scale=attn.scaling,
             )  # fmt: skip
             h = h + attn.o_proj(o.reshape(rows, 1, self.n_heads * self.head_dim))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
@@ -318,8 +346,10 @@ class NativeDrafter:
 
     The drafter cache holds context K/V at the context rows' own positions (row p = position p).
     Context K/V depend only on the fused features (`k_norm(k_proj(ctx))`, `v_proj(ctx)`), so new
-    context rows are written once; the block's K/V are written at its positions after them and
-    overwritten by the next round's context (the mask hides every row past the block).
+    context rows are written once — for every layer in one matmul (the layers' K/V projections are
+    stacked at construction: a snapshot of the drafter's weights), one norm, one RoPE and one cache
+    write; the block's K/V are written at its positions after them and overwritten by the next
+    round's context (the mask hides every row past the block).
     """
 
     def __init__(self, drafter: DFlashDrafter, target: TargetModel, capacity: int) -> None:
@@ -336,27 +366,37 @@ class NativeDrafter:
             cfg.head_dim,
         )
         p = next(drafter.parameters())
+        n_layers = cfg.num_hidden_layers
         self.cache = torch.zeros(
-            cfg.num_hidden_layers, 2, self.n_kv, capacity, self.head_dim, dtype=p.dtype, device=p.device
+            n_layers, 2, self.n_kv, capacity, self.head_dim, dtype=p.dtype, device=p.device
         )
+        attns = [layer.self_attn for layer in drafter.layers]
+        with torch.no_grad():
+            # [L·2·kv·hd, H]: layer-major, then k / v — one matmul projects the context for every layer
+            self.ctx_weight = torch.cat([w for a in attns for w in (a.k_proj.weight, a.v_proj.weight)])
+            biases = [b for a in attns for b in (a.k_proj.bias, a.v_proj.bias)]
+            self.ctx_bias = None if biases[0] is None else torch.cat(biases)
+            self.k_norm_weight = torch.stack([a.k_norm.weight for a in attns])[:, None]  # [L, 1, hd]
+        self.k_norm_eps = attns[0].k_norm.eps
 
     @torch.no_grad()
     def write_context(self, feats: torch.Tensor, positions: torch.Tensor) -> None:
         """Fuse raw features [c, k·H] and store their K/V at rows `positions` [c] in every layer."""
         d = self.drafter
-        ctx = d.fuse(feats[None].to(d.fc.weight.dtype))  # [1, c, H]
-        c = ctx.shape[1]
+        ctx = d.fuse(feats[None].to(d.fc.weight.dtype))[0]  # [c, H]
+        c, n_layers = ctx.shape[0], self.cache.shape[0]
+        kv = F.linear(ctx, self.ctx_weight, self.ctx_bias).view(c, n_layers, 2, self.n_kv, self.head_dim)
+        k, v = kv[:, :, 0], kv[:, :, 1]  # [c, L, kv, hd]
+        # each layer's k_norm (drafter.RMSNorm: statistics in float32, weight in the input dtype)
+        k32 = k.float()
+        k = self.k_norm_weight * (k32 * torch.rsqrt(k32.pow(2).mean(-1, keepdim=True) + self.k_norm_eps)).to(
+            k.dtype
+        )
         cos, sin = d.rope(positions[None], ctx.dtype)  # [1, c, hd]
-        cos, sin = cos[:, None], sin[:, None]  # [1, 1, c, hd]
-        for i, layer in enumerate(d.layers):
-            attn = layer.self_attn
-            k = attn.k_norm(attn.k_proj(ctx).view(1, c, self.n_kv, self.head_dim)).transpose(
-                1, 2
-            )  # [1, kv, c, hd]
-            v = attn.v_proj(ctx).view(1, c, self.n_kv, self.head_dim).transpose(1, 2)
-            k = _rope(k, cos, sin)
-            self.cache[i, 0].index_copy_(1, positions, k[0])
-            self.cache[i, 1].index_copy_(1, positions, v[0])
+        cos, sin = _rope_tables(cos[0, :, None, None], sin[0, :, None, None])  # [c, 1, 1, hd]
+        k = _rope(k, cos, sin)
+        # [L, 2, kv, c, hd] into the cache rows `positions` of every layer at once
+        self.cache.index_copy_(3, positions, torch.stack([k, v], dim=2).permute(1, 2, 3, 0, 4))
 
     @torch.no_grad()
     def forward_block(
@@ -370,17 +410,18 @@ class NativeDrafter:
         h = self.embed(block_ids[None]).to(d.fc.weight.dtype)  # [1, B, H]
         b_len = block_ids.shape[0]
         cos, sin = d.rope(positions[None], h.dtype)
-        cos, sin = cos[:, None], sin[:, None]  # [1, 1, B, hd]
+        cos, sin = _rope_tables(cos[:, None], sin[:, None])  # [1, 1, B, hd]
+        mask = _additive_mask(allowed, h.dtype)  # [B, capacity], once for every layer
         for i, layer in enumerate(d.layers):
             attn = layer.self_attn
             x = layer.input_layernorm(h)
             q = attn.q_norm(attn.q_proj(x).view(1, b_len, self.n_heads, self.head_dim)).transpose(1, 2)
             k = attn.k_norm(attn.k_proj(x).view(1, b_len, self.n_kv, self.head_dim)).transpose(1, 2)
             v = attn.v_proj(x).view(1, b_len, self.n_kv, self.head_dim).transpose(1, 2)  # [1, kv, B, hd]
-            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+            q, k = _rope_qk(q, k, cos, sin)
             self.cache[i, 0].index_copy_(1, positions, k[0])
             self.cache[i, 1].index_copy_(1, positions, v[0])
-            o = _attend(q, self.cache[i, 0][None], self.cache[i, 1][None], allowed, 1.0 / self.head_dim**0.5)
+            o = _attend(q, self.cache[i, 0][None], self.cache[i, 1][None], mask, 1.0 / self.head_dim**0.5)
             o = o.transpose(1, 2).reshape(1, b_len, self.n_heads * self.head_dim)  # [1, B, heads·hd]
             h = h + attn.o_proj(o)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
