@@ -450,6 +450,8 @@ class FastEngine:
         if max_new_tokens == 0:
             timings.total_s = time.perf_counter() - t_start
             return result
+        if self.ndrafter is not None:
+            self.ndrafter.sync_weights()  # the drafter may have been trained since the last call
         round_fns = self._round_phases(method, budget, params)  # captures graphs on first use
 
         # prefill (eager, variable length): the prompt's K/V and features, the first token

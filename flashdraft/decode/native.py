@@ -371,13 +371,31 @@ class NativeDrafter:
             n_layers, 2, self.n_kv, capacity, self.head_dim, dtype=p.dtype, device=p.device
         )
         attns = [layer.self_attn for layer in drafter.layers]
+        self._weights = [w for a in attns for w in (a.k_proj.weight, a.v_proj.weight)]
+        self._biases = [b for a in attns for b in (a.k_proj.bias, a.v_proj.bias) if b is not None]
+        self._norms = [a.k_norm.weight for a in attns]
         with torch.no_grad():
             # [L·2·kv·hd, H]: layer-major, then k / v — one matmul projects the context for every layer
-            self.ctx_weight = torch.cat([w for a in attns for w in (a.k_proj.weight, a.v_proj.weight)])
-            biases = [b for a in attns for b in (a.k_proj.bias, a.v_proj.bias)]
-            self.ctx_bias = None if biases[0] is None else torch.cat(biases)
-            self.k_norm_weight = torch.stack([a.k_norm.weight for a in attns])[:, None]  # [L, 1, hd]
+            self.ctx_weight = torch.cat(self._weights)
+            self.ctx_bias = torch.cat(self._biases) if self._biases else None
+            self.k_norm_weight = torch.stack(self._norms)[:, None]  # [L, 1, hd]
         self.k_norm_eps = attns[0].k_norm.eps
+        self._versions = self._source_versions()
+
+    def _source_versions(self) -> list[int]:
+        return [t._version for t in (*self._weights, *self._biases, *self._norms)]
+
+    @torch.no_grad()
+    def sync_weights(self) -> None:
+        """Refresh the stacked copies in place (CUDA graphs keep their addresses) when the drafter's own
+        weights changed since they were made — an optimizer step between two generate calls."""
+        versions = self._source_versions()
+        if versions != self._versions:
+            self.ctx_weight.copy_(torch.cat(self._weights))
+            if self.ctx_bias is not None:
+                self.ctx_bias.copy_(torch.cat(self._biases))
+            self.k_norm_weight.copy_(torch.stack(self._norms)[:, None])
+            self._versions = versions
 
     @torch.no_grad()
     def write_context(self, feats: torch.Tensor, positions: torch.Tensor) -> None:

@@ -106,7 +106,28 @@ def test_target_logits_are_float32_on_a_bf16_target():
     batched = BatchedNativeTarget(target, rows=2, capacity=16)
     first = batched.prefill(torch.arange(2), ids[None].expand(2, -1).contiguous(), torch.tensor([9, 9]))
     assert first.dtype == torch.float32
-    torch.testing.assert_close(first[0], out.logits[-1], rtol=0, atol=0.1)  # bf16 hidden states: other kernels
+    torch.testing.assert_close(
+        first[0], out.logits[-1], rtol=0, atol=0.1
+    )  # bf16 hidden states: other kernels
+
+
+def test_engine_follows_drafter_weights_changed_in_place():
+    """The native drafter stacks the layers' K/V projections once; a drafter trained between two generate
+    calls (in-place optimizer updates) must draft with its new weights, as a fresh engine would."""
+    target = tiny_target("llama", layers=3)
+    drafter = tiny_drafter(target, layers=2)
+    engine = FastEngine(target, drafter, max_len=64, cuda_graphs=False)
+    prompt = [5, 9, 14, 3, 22, 7]
+    engine.generate(prompt, max_new_tokens=12, method="chain")
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.mul_(1.5)
+    got = engine.generate(prompt, max_new_tokens=12, method="chain")
+    fresh = FastEngine(target, drafter, max_len=64, cuda_graphs=False).generate(
+        prompt, max_new_tokens=12, method="chain"
+    )
+    assert got.tokens == fresh.tokens
+    assert got.acceptance_lengths == fresh.acceptance_lengths  # the same drafts, round by round
 
 
 def test_native_support_refuses_other_families():
