@@ -114,6 +114,16 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
 
 
+def _rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """`norm(x)` for the RMSNorms of the native families and the drafter (statistics in float32, the weight
+    applied in the input dtype, as HF's LlamaRMSNorm), through F.rms_norm: PyTorch's fused kernel on CUDA
+    (`_fused_rms_norm`) instead of five elementwise ones; on CPU the same decomposition as HF's."""
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+    if eps is None:
+        return norm(x)
+    return norm.weight * F.rms_norm(x.float(), x.shape[-1:], eps=eps).to(x.dtype)
+
+
 def _additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """bool mask (True = attend) → 0 / −inf in `dtype`, the form SDPA converts a boolean mask to."""
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
@@ -130,12 +140,12 @@ def _target_qkv(
     biases inside the projections."""
     attn = layer.self_attn
     b, q_len, _ = h.shape
-    x = layer.input_layernorm(h)
+    x = _rms_norm(layer.input_layernorm, h)
     q = attn.q_proj(x).view(b, q_len, n_heads, head_dim)  # [b, q, heads, hd]
     k = attn.k_proj(x).view(b, q_len, n_kv, head_dim)
     v = attn.v_proj(x).view(b, q_len, n_kv, head_dim)
     if hasattr(attn, "q_norm"):  # Qwen3 QK-norm, per head, before RoPE
-        q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = _rms_norm(attn.q_norm, q), _rms_norm(attn.k_norm, k)
     q, k = _rope_qk(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # [b, heads|kv, q, hd]
     return q, k, v.transpose(1, 2)
 
@@ -200,16 +210,18 @@ class NativeTarget:
             o = _attend(q, self.cache[i, 0][None], self.cache[i, 1][None], mask, attn.scaling)
             o = o.transpose(1, 2).reshape(1, q_len, self.n_heads * self.head_dim)  # [1, q, heads·hd]
             h = h + attn.o_proj(o)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            h = h + layer.mlp(_rms_norm(layer.post_attention_layernorm, h))
             if i in wanted:
                 captured[i] = h
         feats = None
         if layer_ids:
             last = len(self.layers) - 1
             # HF's hidden_states[-1] is final-normed; TargetModel.forward matches that, so do we
-            parts = [self.inner.norm(captured[i]) if i == last else captured[i] for i in layer_ids]
+            parts = [_rms_norm(self.inner.norm, captured[i]) if i == last else captured[i] for i in layer_ids]
             feats = torch.cat(parts, dim=-1)[0]  # [q, k·H] in listed order
-        out_logits = self.head(self.inner.norm(h))[0] if logits else None  # [q, V], float32 at least
+        out_logits = (
+            self.head(_rms_norm(self.inner.norm, h))[0] if logits else None
+        )  # [q, V], float32 at least
         return NativeOutput(out_logits, feats)
 
 
@@ -248,7 +260,7 @@ class BatchedNativeTarget:
         self._pool: Any = None  # one memory pool shared by every span's graph, made at the first capture
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self.head(self.inner.norm(h))  # [n, V], float32 at least
+        return self.head(_rms_norm(self.inner.norm, h))  # [n, V], float32 at least
 
     def step_graphed(
         self, input_ids: torch.Tensor, lengths: torch.Tensor, span: int, bucket: int = 256
@@ -305,7 +317,7 @@ class BatchedNativeTarget:
                 q, k, v, is_causal=True, scale=attn.scaling
             )  # [n, heads, P, hd]
             h = h + attn.o_proj(o.transpose(1, 2).reshape(n, p_len, self.n_heads * self.head_dim))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            h = h + layer.mlp(_rms_norm(layer.post_attention_layernorm, h))
         last = h[torch.arange(n, device=h.device), lengths - 1]  # [n, H] the last real token of each row
         return self._logits(last)
 
@@ -337,7 +349,7 @@ class BatchedNativeTarget:
                 attn_mask=mask, scale=attn.scaling,
             )  # fmt: skip
             h = h + attn.o_proj(o.reshape(rows, 1, self.n_heads * self.head_dim))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            h = h + layer.mlp(_rms_norm(layer.post_attention_layernorm, h))
         return self._logits(h[:, 0])
 
 
@@ -406,10 +418,7 @@ class NativeDrafter:
         kv = F.linear(ctx, self.ctx_weight, self.ctx_bias).view(c, n_layers, 2, self.n_kv, self.head_dim)
         k, v = kv[:, :, 0], kv[:, :, 1]  # [c, L, kv, hd]
         # each layer's k_norm (drafter.RMSNorm: statistics in float32, weight in the input dtype)
-        k32 = k.float()
-        k = self.k_norm_weight * (k32 * torch.rsqrt(k32.pow(2).mean(-1, keepdim=True) + self.k_norm_eps)).to(
-            k.dtype
-        )
+        k = self.k_norm_weight * F.rms_norm(k.float(), k.shape[-1:], eps=self.k_norm_eps).to(k.dtype)
         cos, sin = d.rope(positions[None], ctx.dtype)  # [1, c, hd]
         cos, sin = _rope_tables(cos[0, :, None, None], sin[0, :, None, None])  # [c, 1, 1, hd]
         k = _rope(k, cos, sin)
@@ -432,9 +441,13 @@ class NativeDrafter:
         mask = _additive_mask(allowed, h.dtype)  # [B, capacity], once for every layer
         for i, layer in enumerate(d.layers):
             attn = layer.self_attn
-            x = layer.input_layernorm(h)
-            q = attn.q_norm(attn.q_proj(x).view(1, b_len, self.n_heads, self.head_dim)).transpose(1, 2)
-            k = attn.k_norm(attn.k_proj(x).view(1, b_len, self.n_kv, self.head_dim)).transpose(1, 2)
+            x = _rms_norm(layer.input_layernorm, h)
+            q = _rms_norm(attn.q_norm, attn.q_proj(x).view(1, b_len, self.n_heads, self.head_dim)).transpose(
+                1, 2
+            )
+            k = _rms_norm(attn.k_norm, attn.k_proj(x).view(1, b_len, self.n_kv, self.head_dim)).transpose(
+                1, 2
+            )
             v = attn.v_proj(x).view(1, b_len, self.n_kv, self.head_dim).transpose(1, 2)  # [1, kv, B, hd]
             q, k = _rope_qk(q, k, cos, sin)
             self.cache[i, 0].index_copy_(1, positions, k[0])
@@ -442,5 +455,7 @@ class NativeDrafter:
             o = _attend(q, self.cache[i, 0][None], self.cache[i, 1][None], mask, 1.0 / self.head_dim**0.5)
             o = o.transpose(1, 2).reshape(1, b_len, self.n_heads * self.head_dim)  # [1, B, heads·hd]
             h = h + attn.o_proj(o)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return self.lm_head(d.norm(h).to(self.lm_head.weight.dtype))[0]  # [B, V] in the target's dtype
+            h = h + layer.mlp(_rms_norm(layer.post_attention_layernorm, h))
+        return self.lm_head(_rms_norm(d.norm, h).to(self.lm_head.weight.dtype))[
+            0
+        ]  # [B, V] in the target's dtype
