@@ -1,6 +1,6 @@
 """`flashdraft quickstart`: the whole loop on the embedded default target, with flashdraft's own commands.
 
-    flashdraft quickstart                       # CPU, about 13 minutes on 2 cores (measured)
+    flashdraft quickstart                       # CPU, about 15 minutes on 2 cores (measured)
     flashdraft quickstart --device cuda         # larger sizes on a GPU
 
 Stages (each one a real `flashdraft` command, printed before it runs, with its own progress bar):
@@ -40,47 +40,53 @@ class QuickstartSizes:
     regen_batch: int
     max_length: int  # tokens per training sample
     layers: int  # drafter depth
-    target_layer_ids: list[int] | None  # target layers feeding the drafter (None: DESIGN.md §1 default for `layers`)
+    target_layer_ids: list[int] | None  # target layers feeding the drafter (None: DESIGN.md §1 default)
     block_size: int
     steps: int  # optimizer steps
     token_budget: int  # target tokens per micro-batch
     max_anchors: int  # blocks per document per step
     lr: float
     gamma: float | None  # loss decay over slots (None: the paper's per-B default)
-    init_from_target: str  # model.init_from_target: none | last | next (the drafter starts from target layers)
+    init_from_target: str  # model.init_from_target: none | last | next (start from target layers)
     train_minutes: float | None  # training stops here even before `steps` (keeps the whole run in budget)
     eval_prompts: int  # held-out ShareGPT prompts and HumanEval problems, each
     eval_tokens: int  # reference length
     budgets: str
+    # the target's dtype when it regenerates and dumps features, and the training compute dtype (bf16:
+    # autocast with fp32 master weights); the eval always runs in float32 (exact references and τ)
+    dtype: str
 
 
 SIZES = {
-    # CPU: 13.2 minutes measured end to end on an idle 2-core CPU (benchmarks/RESULTS.md, "Quickstart on the
-    # 2-core CPU (2026-12-03)"; training capped at train_minutes, 800 steps took 6.9 of them). The lm_head over
-    # 49K tokens is most of a CPU training step and costs the same for every labelled slot, so a b4 drafter
-    # with the loss on the first slots (γ = 1) trains more anchors per minute than b8/b16; the chain barely
-    # reaches later slots at this accuracy. Started from target layers 16–19 (init_from_target=next after
-    # feature layer 15): measured better than random init and than 1 layer at equal steps. Answers stop at
-    # 96 tokens, the eval's reference length. The drafter overfits its ~22K training tokens (slot 1: 0.60
-    # train, 0.32 held out); 480 prompts / 900 steps (15.1 min) gave the same held-out chain τ (1.34 vs 1.36).
+    # CPU: 14.5 minutes measured end to end on an idle 2-core CPU with an empty cache (benchmarks/RESULTS.md,
+    # "Quickstart on the 2-core CPU (session 5)": data 247 s, features 107 s, train 352 s, eval 74 + 92 s).
+    # bf16 on this CPU (AVX512-BF16): regeneration 238 tok/s (fp32: 137), training steps ~0.29 s (fp32
+    # 0.52 s, autocast with fp32 master weights); the eval stays float32. So 2× run 2's prompts (720) and
+    # 1,200 steps fit. The lm_head over 49K tokens costs the same for every labelled slot, so a b4 drafter
+    # with the loss on the first slots (γ = 1) trains more anchors per minute than b8/b16. Started from target
+    # layers 16–19 (init_from_target=next after feature layer 15): better than random init and than 1 layer
+    # at equal steps. Answers stop at 96 tokens, the eval's reference length. Held-out chain τ 1.43 (12
+    # prompts; 1.42 on 30): the drafter is data-limited — 860 training samples and 1,500 steps reached 1.48 on
+    # the 30, and feature noise 0.15 or weight decay 0.1 did not help (1.42 / 1.41).
     "cpu": QuickstartSizes(
-        prompts=360,
+        prompts=720,
         max_new_tokens=96,
         regen_batch=64,
         max_length=384,
         layers=4,
         target_layer_ids=[15],
         block_size=4,
-        steps=800,
+        steps=1200,
         token_budget=1024,
         max_anchors=16,
         lr=4e-3,
         gamma=1.0,
         init_from_target="next",
-        train_minutes=7.5,
+        train_minutes=6.0,
         eval_prompts=12,
         eval_tokens=96,
         budgets="8,32",
+        dtype="bfloat16",
     ),  # fmt: skip
     "cuda": QuickstartSizes(
         prompts=4000,
@@ -100,6 +106,7 @@ SIZES = {
         eval_prompts=50,
         eval_tokens=256,
         budgets="8,16,32,64,128,256,512",
+        dtype="bfloat16",
     ),  # fmt: skip
 }
 
@@ -116,6 +123,7 @@ def train_overrides(sizes: QuickstartSizes, run: Path, data: Path, feats: Path, 
         *([f"loss.gamma={sizes.gamma}"] if sizes.gamma is not None else []),
         *([f"runtime.time_limit_min={sizes.train_minutes}"] if sizes.train_minutes is not None else []),
         "pipeline.mode=offline", f"pipeline.features_dir={feats}", f"runtime.device={device}",
+        f"runtime.dtype={sizes.dtype}",
     ]  # fmt: skip
 
 
@@ -170,7 +178,7 @@ def register(app: typer.Typer) -> None:
             os.environ["OMP_NUM_THREADS"] = str(threads)
         work.mkdir(parents=True, exist_ok=True)
         data, feats, run = work / "data", work / "features", work / "run"
-        dtype = "bfloat16" if device.startswith("cuda") else "float32"
+        dtype = sizes.dtype
         log: list[str] = []
         t0 = time.perf_counter()
         typer.secho(f"quickstart in {work}/ on {device}: {sizes}", fg="cyan")
@@ -186,7 +194,7 @@ def register(app: typer.Typer) -> None:
                       else ["--drafter-layers", str(sizes.layers)])  # fmt: skip
             _run(["features", "dump", "--dataset", str(data), "--out", str(feats), *layers,
                   "--max-length", str(sizes.max_length), "--token-budget", str(sizes.token_budget),
-                  "--dtype", "float32" if dtype == "float32" else "bfloat16", "--device", device], log)  # fmt: skip
+                  "--dtype", dtype, "--device", device], log)  # fmt: skip
         overrides = train_overrides(sizes, run, data, feats, device)
         if not (run / "checkpoints").is_dir():  # a rerun evaluates what the first run trained
             _run(["train", str(CONFIG), *overrides], log)
