@@ -88,6 +88,29 @@ SIZES = {
         budgets="8,32",
         dtype="bfloat16",
     ),  # fmt: skip
+    # CPU without native bf16 (no AVX512-BF16 / AMX: bf16 is emulated there, slower than float32): the float32
+    # sizes measured before bf16 — 13.2 minutes end to end, held-out chain τ 1.36 (benchmarks/RESULTS.md,
+    # "Quickstart on the 2-core CPU (2026-12-03)", run 2).
+    "cpu-fp32": QuickstartSizes(
+        prompts=360,
+        max_new_tokens=96,
+        regen_batch=64,
+        max_length=384,
+        layers=4,
+        target_layer_ids=[15],
+        block_size=4,
+        steps=800,
+        token_budget=1024,
+        max_anchors=16,
+        lr=4e-3,
+        gamma=1.0,
+        init_from_target="next",
+        train_minutes=7.5,
+        eval_prompts=12,
+        eval_tokens=96,
+        budgets="8,32",
+        dtype="float32",
+    ),  # fmt: skip
     "cuda": QuickstartSizes(
         prompts=4000,
         max_new_tokens=384,
@@ -109,6 +132,23 @@ SIZES = {
         dtype="bfloat16",
     ),  # fmt: skip
 }
+
+
+def cpu_has_native_bf16() -> bool:
+    """True when the CPU multiplies bf16 in hardware (x86 AVX512-BF16 or AMX, from /proc/cpuinfo): there bf16
+    runs ~3.7× faster than float32 on the 2-core machine the CPU sizes were measured on; elsewhere bf16 is
+    emulated and the float32 sizes are used."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def preset_for(device: str) -> str:
+    if device.startswith("cuda"):
+        return "cuda"
+    return "cpu" if cpu_has_native_bf16() else "cpu-fp32"
 
 
 def train_overrides(sizes: QuickstartSizes, run: Path, data: Path, feats: Path, device: str) -> list[str]:
@@ -169,7 +209,8 @@ def register(app: typer.Typer) -> None:
         """Regenerate data, train a small drafter and evaluate it on the default target (SmolLM2)."""
         import os
 
-        sizes = dataclasses.replace(SIZES["cuda" if device.startswith("cuda") else "cpu"])
+        preset = preset_for(device)
+        sizes = dataclasses.replace(SIZES[preset])
         if prompts is not None:
             sizes.prompts = prompts
         if steps is not None:
@@ -181,7 +222,8 @@ def register(app: typer.Typer) -> None:
         dtype = sizes.dtype
         log: list[str] = []
         t0 = time.perf_counter()
-        typer.secho(f"quickstart in {work}/ on {device}: {sizes}", fg="cyan")
+        why = {"cpu-fp32": " (this CPU has no native bf16)"}.get(preset, "")
+        typer.secho(f"quickstart in {work}/ on {device}, sizes {preset!r}{why}: {sizes}", fg="cyan")
         if not (data / "manifest.json").is_file():
             first_turns = work / "prompts.jsonl"
             write_first_turns(first_turns, sizes.prompts)
