@@ -88,29 +88,6 @@ SIZES = {
         budgets="8,32",
         dtype="bfloat16",
     ),  # fmt: skip
-    # CPU without native bf16 (no AVX512-BF16 / AMX: bf16 is emulated there, slower than float32): the float32
-    # sizes measured before bf16 — 13.2 minutes end to end, held-out chain τ 1.36 (benchmarks/RESULTS.md,
-    # "Quickstart on the 2-core CPU (2026-12-03)", run 2).
-    "cpu-fp32": QuickstartSizes(
-        prompts=360,
-        max_new_tokens=96,
-        regen_batch=64,
-        max_length=384,
-        layers=4,
-        target_layer_ids=[15],
-        block_size=4,
-        steps=800,
-        token_budget=1024,
-        max_anchors=16,
-        lr=4e-3,
-        gamma=1.0,
-        init_from_target="next",
-        train_minutes=7.5,
-        eval_prompts=12,
-        eval_tokens=96,
-        budgets="8,32",
-        dtype="float32",
-    ),  # fmt: skip
     "cuda": QuickstartSizes(
         prompts=4000,
         max_new_tokens=384,
@@ -132,6 +109,14 @@ SIZES = {
         dtype="bfloat16",
     ),  # fmt: skip
 }
+
+
+# CPU without native bf16 (no AVX512-BF16 / AMX: bf16 is emulated there, slower than float32): the float32
+# sizes measured before bf16 — 13.2 minutes end to end, held-out chain τ 1.36 (benchmarks/RESULTS.md,
+# "Quickstart on the 2-core CPU (2026-12-03)", run 2); everything else as the bf16 preset.
+SIZES["cpu-fp32"] = dataclasses.replace(
+    SIZES["cpu"], prompts=360, steps=800, train_minutes=7.5, dtype="float32"
+)
 
 
 def cpu_has_native_bf16() -> bool:
