@@ -100,18 +100,17 @@ def _rope_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, to
     return cos, torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
 
 
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """HF's x·cos + rotate_half(x)·sin, with rotate_half(x) = roll(x, hd/2) and its sign in sin_signed."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
+
+
 def _rope_qk(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """RoPE on q [b, heads, n, hd] and k [b, kv, n, hd] in one pass (cos/sin [b, 1, n, hd]); HF's
-    x·cos + rotate_half(x)·sin, with rotate_half(x) = roll(x, hd/2) and its sign folded into sin_signed."""
-    qk = torch.cat([q, k], dim=1)  # [b, heads + kv, n, hd]
-    qk = qk * cos + qk.roll(qk.shape[-1] // 2, dims=-1) * sin_signed
+    """RoPE on q [b, heads, n, hd] and k [b, kv, n, hd] in one pass (cos/sin_signed [b, 1, n, hd])."""
+    qk = _rope(torch.cat([q, k], dim=1), cos, sin_signed)  # [b, heads + kv, n, hd]
     return qk[:, : q.shape[1]], qk[:, q.shape[1] :]
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
 
 
 def _rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
