@@ -3,6 +3,8 @@
 # prompts, same run); then regenerate the ShareGPT training set (every user turn) for REGEN_MIN minutes.
 # REGEN_BATCH rows decode together; REGEN_TOKENS bounds rows × (3072 + 512) cache tokens (~23 KB each).
 # MAX_TURNS=1 answers only each conversation's first user turn (the most distinct prompts per minute).
+# TEMPERATURE=0.8 SEED=1 samples the answers instead (ids get "@T0.8s1": `flashdraft data merge` keeps them
+# beside the greedy set's answers to the same prompts — more distinct training tokens from the same prompts).
 # DATA_BACK=1 also sends the train split back (a tar in 15 MiB parts, at most 4 of them) so a later
 # session can carry it in instead of regenerating it.
 set -uo pipefail
@@ -14,7 +16,8 @@ PROMPTS=sharegpt:/root/stage/sharegpt_compact.json.gz
   --out $OUT/regen_throughput.json 2>&1 | grep -v "^Convert\|^Loading" | tail -8
 timeout ${REGEN_TIMEOUT:-480} python3 -m flashdraft.cli data regenerate --target $TARGET --input $PROMPTS \
   --out /root/work/data --device cuda --dtype bfloat16 --engine native --batch-size ${REGEN_BATCH:-512} \
-  --max-batch-tokens ${REGEN_TOKENS:-2500000} --max-new-tokens 512 --shard-size ${SHARD:-4096} ${MAX_TURNS:+--max-turns $MAX_TURNS} --time-limit ${REGEN_MIN:-3.5} --seed 0 \
+  --max-batch-tokens ${REGEN_TOKENS:-2500000} --max-new-tokens 512 --shard-size ${SHARD:-4096} ${MAX_TURNS:+--max-turns $MAX_TURNS} --time-limit ${REGEN_MIN:-3.5} \
+  --temperature ${TEMPERATURE:-0} --seed ${SEED:-0} \
   --contamination humaneval:/root/stage/HumanEval.jsonl.gz 2>&1 | tr '\r' '\n' | grep -v "skipped bad" > /root/work/regen.log
 grep -v "regenerate:" /root/work/regen.log | tail -6; grep "regenerate:" /root/work/regen.log | awk 'NR % 50 == 0' | tail -4
 cp /root/work/regen.log $OUT/

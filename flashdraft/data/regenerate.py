@@ -22,11 +22,13 @@ exactly as a server renders it (template.py). Conversations are processed in sha
 resumes by skipping finished shards, and the final dataset is identical to an uninterrupted run
 (every batch's content and sampling seed depend only on the shard). When all shards are done,
 `write_dataset` dedups, splits, filters contamination and writes OUT atomically; then
-`OUT.partial/` is removed. With `--server URL` an OpenAI-compatible server generates instead.
+`OUT.partial/` is removed. With `--temperature` > 0 the sample ids name the sampling (`…@T0.8s1`), so a
+sampled set merges beside a greedy one (`flashdraft data merge`): more answers from the same prompts. With `--server URL` an OpenAI-compatible server generates instead.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -205,7 +207,16 @@ def regenerate_shard(
     samples = [s for b in builders for s in b.samples()]
     if cfg.split_turns:
         samples = [t for s in samples for t in split_by_turn(s)]
+    if cfg.temperature > 0:  # a sampled answer is another sample of the same conversation (same split)
+        samples = [dataclasses.replace(s, id=f"{s.id}{sampled_id_suffix(cfg)}") for s in samples]
     return samples
+
+
+def sampled_id_suffix(cfg: RegenConfig) -> str:
+    """What sampled regenerations append to sample ids, so `flashdraft data merge` keeps a greedy set and
+    sampled sets of the same conversations side by side (one per temperature / top-p / seed) instead of
+    one version per conversation; the split still hashes the conversation, so held-out stays held out."""
+    return f"@T{cfg.temperature:g}" + (f"p{cfg.top_p:g}" if cfg.top_p < 1 else "") + f"s{cfg.seed}"
 
 
 def _regenerate_turn_by_turn(

@@ -100,6 +100,23 @@ def test_native_engine_runs_conversations_asynchronously_with_the_same_result(tm
     assert _dump(tmp_path / "native") == _dump(tmp_path / "loop")
 
 
+def test_sampled_set_merges_beside_the_greedy_one_with_the_same_split(tmp_path, target):
+    """A sampled regeneration names its samples after the sampling (`@T1s7`), so merging it with the
+    greedy set keeps both answers of every conversation — and each lands in the same split."""
+    from flashdraft.data.merge import merge_datasets
+
+    cfg, tpl, params = _setup(tmp_path, "greedy")
+    regenerate(cfg, tpl, LocalGenerator(target, params, batch_size=4))
+    cfg2, _, params2 = _setup(tmp_path, "sampled", temperature=1.0, seed=7)
+    regenerate(cfg2, tpl, LocalGenerator(target, params2, batch_size=4))
+    greedy, sampled = _dump(tmp_path / "greedy"), _dump(tmp_path / "sampled")
+    assert sorted(sampled) == sorted(f"{k}@T1s7" for k in greedy)
+    assert all(sampled[f"{k}@T1s7"][0] == v[0] for k, v in greedy.items())  # same split
+    assert any(sampled[f"{k}@T1s7"][1] != v[1] for k, v in greedy.items())  # other answers
+    merge_datasets([tmp_path / "greedy", tmp_path / "sampled"], tmp_path / "both")
+    assert sorted(_dump(tmp_path / "both")) == sorted([*greedy, *sampled])
+
+
 class _Interrupt(Exception):
     pass
 
