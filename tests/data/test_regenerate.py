@@ -181,6 +181,7 @@ def test_time_limit_starts_no_shard_that_would_end_after_it(tmp_path, target):
     res = regenerate(cfg, tpl, _SlowGenerator(LocalGenerator(target, params, batch_size=4), fail_at=-1))
     assert (res.shards_done, res.shards_total) == (1, 4)
 
+
 def test_resume_refuses_changed_settings(tmp_path, target):
     cfg, tpl, params = _setup(tmp_path)
     with pytest.raises(_Interrupt):
