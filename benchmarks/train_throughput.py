@@ -131,6 +131,11 @@ def main() -> None:
                     help="as the train config's runtime.compile (none, or a subset of attention,loss,model)")  # fmt: skip
     ap.add_argument("--blocks-per-row", type=int, default=0,
                     help="as data.blocks_per_row (> 0: static shapes; needed by --compile model)")  # fmt: skip
+    ap.add_argument("--compile-mode", default="default",
+                    help="as runtime.compile_mode: default, reduce-overhead (CUDA graphs), max-autotune-no-cudagraphs")  # fmt: skip
+    ap.add_argument("--fused-ce", action="store_true", help="loss.fused_ce=true: the two-pass CE chunk")
+    ap.add_argument("--chunk-tokens", type=int, default=4096, help="as loss.chunk_tokens")
+    ap.add_argument("--flex-block", default="128,128", help="as runtime.flex_block_size: the BlockMask's Q,KV tile")
     ap.add_argument("--peak-tflops", type=float, default=790.0, help="bf16 ceiling of the device (H200: 790)")
     ap.add_argument("--queue-depth", type=int, default=0, help="> 0: online pipeline with this queue depth")
     ap.add_argument("--target-device", default="same", help="the target's device (pipeline), e.g. cuda:0")
@@ -150,7 +155,9 @@ def main() -> None:
          f"data.max_anchors={args.max_anchors}", f"optim.grad_accum={args.grad_accum}",
          f"data.blocks_per_row={args.blocks_per_row}",
          f"optim.max_steps={args.steps + args.warmup_steps}", f"runtime.device={device}",
-         f"runtime.compile={args.compile}", "data.dataset=<benchmark>", "telemetry.progress=false"],
+         f"runtime.compile={args.compile}", "data.dataset=<benchmark>", "telemetry.progress=false",
+         f"runtime.compile_mode={args.compile_mode}", f"loss.fused_ce={str(args.fused_ce).lower()}",
+         f"loss.chunk_tokens={args.chunk_tokens}", f"runtime.flex_block_size=[{args.flex_block}]"],
     )  # fmt: skip
     prec = resolve_precision(cfg, device)
     target_device = resolve_target_device(args.target_device, device)
@@ -188,7 +195,7 @@ def main() -> None:
         source = QueuedSource(source, depth=args.queue_depth, device=device, source_device=target_device)
     heads = target if target_device == device else FrozenHeads(target, device)
     attention = "flex" if device.type == "cuda" else "dense"
-    model: Any = compile_parts(drafter, cfg.runtime.compile_parts, device, attention)
+    model: Any = compile_parts(drafter, cfg.runtime.compile_parts, device, attention, cfg.runtime.compile_mode)
     run_dir = tempfile.mkdtemp(prefix="train-throughput-")
     trainer = Trainer(
         cfg, heads, drafter, source, run_dir=run_dir, model=model,
@@ -249,6 +256,10 @@ def main() -> None:
         "max_anchors": args.max_anchors,
         "grad_accum": args.grad_accum,
         "compile": args.compile if device.type == "cuda" else "none",
+        "compile_mode": cfg.runtime.compile_mode,
+        "fused_ce": cfg.loss.fused_ce,
+        "chunk_tokens": cfg.loss.chunk_tokens,
+        "flex_block_size": list(cfg.runtime.flex_block_size),
         "blocks_per_row": args.blocks_per_row,
         "attention": attention,
         "precision": {"target": str(prec.target), "params": str(prec.params), "compute": str(prec.compute)},

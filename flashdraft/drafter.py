@@ -234,6 +234,19 @@ def compile_flex_attention() -> None:
         _FLEX_KERNEL = torch.compile(flex_attention)
 
 
+def flex_kernel_options(block_size: tuple[int, int]) -> dict[str, int] | None:
+    """Triton tiles for a BlockMask of `block_size` (Q, KV) tiles: each kernel tile must divide the mask's.
+    None (torch's defaults) for the default 128 × 128 mask."""
+    q, kv = int(block_size[0]), int(block_size[1])
+    if (q, kv) == (128, 128):
+        return None
+    return {
+        "fwd_BLOCK_M": q, "fwd_BLOCK_N": kv,
+        # backward: dK/dV loop (M1 over queries, N1 over keys), dQ loop (M2, N2); N1 % M1 == M2 % N2 == 0
+        "bwd_BLOCK_M1": min(64, q, kv), "bwd_BLOCK_N1": kv, "bwd_BLOCK_M2": q, "bwd_BLOCK_N2": min(64, q, kv),
+    }  # fmt: skip
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -355,7 +368,8 @@ class Attention(nn.Module):
             # under autocast the fp32-weight q/k norms return fp32 while v is bf16; flex needs one dtype
             q, k = q.to(v.dtype), k.to(v.dtype)
             kernel = _FLEX_KERNEL or flex_attention
-            out = kernel(q, k, v, block_mask=mask, enable_gqa=self.n_heads != self.n_kv)
+            opts = flex_kernel_options(mask.BLOCK_SIZE)  # the mask's tile (plain ints: constant under compile)
+            out = kernel(q, k, v, block_mask=mask, enable_gqa=self.n_heads != self.n_kv, kernel_options=opts)
         else:
             if self.n_heads != self.n_kv:
                 rep = self.n_heads // self.n_kv

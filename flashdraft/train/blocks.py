@@ -204,11 +204,16 @@ def block_mask_mod(draft: DraftBatch) -> Any:
     return mask_mod
 
 
-def flex_block_mask(draft: DraftBatch, device: torch.device | str | None = None) -> Any:
+def flex_block_mask(
+    draft: DraftBatch, device: torch.device | str | None = None, block_size: tuple[int, int] = (128, 128)
+) -> Any:
     """A FlexAttention BlockMask for the drafter step (heads broadcast).
 
     On CUDA the mask is built by a compiled kernel: uncompiled, create_block_mask materialises
     the dense [R, Q, KV] mask first, which for thousands of blocks per row is gigabytes.
+    `block_size` (Q, KV) is the mask's tile (runtime.flex_block_size): with 16-token blocks a 128 × 128
+    tile is partial at every anchor run's edge and on the diagonal (1/8 useful there); smaller tiles
+    skip more masked work. The drafter picks matching kernel tiles (`flashdraft.drafter.flex_kernel_options`).
     """
     from torch.nn.attention.flex_attention import create_block_mask
 
@@ -216,5 +221,5 @@ def flex_block_mask(draft: DraftBatch, device: torch.device | str | None = None)
     dev = torch.device(device if device is not None else draft.anchors.device)
     return create_block_mask(
         block_mask_mod(draft), B=r, H=None, Q_LEN=q, KV_LEN=draft.context_len + q, device=dev,
-        _compile=dev.type == "cuda",
+        BLOCK_SIZE=tuple(block_size), _compile=dev.type == "cuda",
     )  # fmt: skip

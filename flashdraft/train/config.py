@@ -56,6 +56,9 @@ class DataConfig:
 class LossConfig:
     gamma: float | None = None  # None: 7 / 5 / 4 for B = 16 / 10 / 8 (paper)
     chunk_tokens: int = 4096  # labelled tokens per lm_head chunk: bounds the [chunk, V] float32 logits
+    # two passes over each chunk's logits (max/argmax/Σexp, then the gradient) in the matmul dtype instead of
+    # log_softmax's float32 passes; same values (tests/train/test_loss.py). Off until measured on the GPU
+    fused_ce: bool = False
     feature_noise: float = 0.0  # relative Gaussian noise on the drafter's copy of the features (off: paper)
     embedding_noise: float = 0.0  # relative Gaussian noise on the block embeddings (off: paper)
 
@@ -89,6 +92,12 @@ class RuntimeConfig:
     # epochs, so `--resume` continues it (fixed device budgets, preemptible slots)
     time_limit_min: float | None = None
     attention: str = "auto"  # auto: flex on CUDA, dense bool mask on CPU; or "flex" / "dense"
+    # the FlexAttention BlockMask's (Q, KV) tile; torch's default 128 × 128 is partial at the edges of every
+    # run of 16-token blocks (flashdraft/train/blocks.py). Powers of two in 16..128; kernel tiles follow
+    flex_block_size: list[int] = field(default_factory=lambda: [128, 128])
+    # torch.compile mode for runtime.compile=model: default, reduce-overhead (CUDA graphs: no per-kernel
+    # launch cost; static shapes make one graph) or max-autotune-no-cudagraphs (long compile)
+    compile_mode: str = "default"
     # where the target (the feature producer) runs: "same" = the drafter's device, "cuda:1", or one
     # device per local rank under torchrun, comma-separated ("cuda:4,cuda:5,cuda:6,cuda:7")
     target_device: str = "same"
@@ -199,6 +208,16 @@ class TrainConfig:
             )
         if self.runtime.time_limit_min is not None and self.runtime.time_limit_min <= 0:
             raise ConfigError(f"runtime.time_limit_min {self.runtime.time_limit_min} must be > 0 (or unset)")
+        fb = self.runtime.flex_block_size
+        if len(fb) != 2 or any(x not in (16, 32, 64, 128) for x in fb):
+            raise ConfigError(
+                f"runtime.flex_block_size {fb}: two tile sizes (Q, KV), each 16, 32, 64 or 128 (e.g. [64, 64])"
+            )
+        if self.runtime.compile_mode not in ("default", "reduce-overhead", "max-autotune-no-cudagraphs"):
+            raise ConfigError(
+                f"runtime.compile_mode {self.runtime.compile_mode!r}: use default, reduce-overhead or "
+                "max-autotune-no-cudagraphs"
+            )
         if self.runtime.attention not in ("auto", "flex", "dense"):
             raise ConfigError(f"runtime.attention {self.runtime.attention!r}: use auto, flex or dense")
         if self.checkpoint.every < 1 or self.checkpoint.keep_last < 1:

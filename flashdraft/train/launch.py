@@ -35,8 +35,12 @@ class Precision:
     compute: torch.dtype | None  # autocast dtype, None = no autocast
 
 
-def compile_parts(model: Any, parts: set[str], device: torch.device, attention: str) -> Any:
-    """Apply runtime.compile on CUDA (CPU runs stay eager): returns the forward to call."""
+def compile_parts(
+    model: Any, parts: set[str], device: torch.device, attention: str, mode: str = "default"
+) -> Any:
+    """Apply runtime.compile on CUDA (CPU runs stay eager): returns the forward to call.
+
+    `mode` (runtime.compile_mode) is torch.compile's mode for the whole drafter ("model")."""
     if device.type != "cuda":
         return model
     if "loss" in parts:
@@ -51,7 +55,8 @@ def compile_parts(model: Any, parts: set[str], device: torch.device, attention: 
 
         if hasattr(inductor_config.triton, "coalesce_tiling_analysis"):
             inductor_config.triton.coalesce_tiling_analysis = False
-        return torch.compile(model, dynamic=False)  # FlexAttention is compiled inside the graph
+        # FlexAttention is compiled inside the graph; "reduce-overhead" replays it as CUDA graphs
+        return torch.compile(model, dynamic=False, mode=None if mode == "default" else mode)
     if "attention" in parts and attention == "flex":
         from flashdraft.drafter import compile_flex_attention
 
@@ -211,7 +216,7 @@ def train(
         if attention == "auto":
             attention = "flex" if device.type == "cuda" else "dense"
         model: Any = wrap_drafter(drafter, cfg.distributed.strategy, ctx)  # before the optimizer (FSDP2)
-        model = compile_parts(model, cfg.runtime.compile_parts, device, attention)
+        model = compile_parts(model, cfg.runtime.compile_parts, device, attention, cfg.runtime.compile_mode)
         providers: list[Any] = [source.take_stats]
         if cfg.telemetry.gpu and device.type == "cuda" and ctx.is_main:
             providers.append(GpuStats(device))

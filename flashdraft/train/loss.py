@@ -82,7 +82,35 @@ def _ce_chunk(
     return ce, pred, p.to(w.dtype) @ w  # [c, H]
 
 
+def _ce_chunk_fused(
+    h: torch.Tensor,  # [c, H] in the matmul dtype
+    w: torch.Tensor,  # [V, H] in the matmul dtype
+    labels: torch.Tensor,  # [c] long
+    token_weights: torch.Tensor,  # [c]
+    acc: torch.dtype,  # float32, or float64 for exact tests
+    need_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """`_ce_chunk` written as two passes over the logits (loss.fused_ce): compiled, the logits stay in the
+    matmul dtype (bf16 on GPU) and no [c, V] float32 tensor is written — one reduction (max, argmax,
+    Σ exp) and one pointwise pass (softmax − onehot, scaled, cast) that writes the gradient logits in the
+    matmul dtype. `_ce_chunk`'s log_softmax / exp_ / scatter_add_ / mul_ / cast came out of inductor as a
+    reduction writing float32 plus a cast pass (benchmarks/RESULTS.md, H200 session 5 profile).
+    Same values: CE = logsumexp − logit[label], d CE / d logits = softmax − onehot."""
+    logits = h @ w.t()  # [c, V] in the matmul dtype
+    z = logits.to(acc)  # compiled: fused into both passes, never written
+    m = z.amax(-1, keepdim=True)  # [c, 1]
+    lse = m + (z - m).exp().sum(-1, keepdim=True).log()  # [c, 1]
+    ce = (lse - z.gather(1, labels[:, None])).squeeze(1)  # [c]
+    pred = z.argmax(-1)
+    if not need_grad:
+        return ce, pred, None
+    onehot = torch.arange(z.shape[1], device=z.device)[None] == labels[:, None]  # [c, V] bool, not stored
+    g = ((z - lse).exp() - onehot.to(acc)) * token_weights[:, None].to(acc)  # [c, V]
+    return ce, pred, g.to(w.dtype) @ w  # [c, H]
+
+
 _CHUNK_FN: Any = _ce_chunk  # compile_loss() swaps in a compiled one
+_FUSED_CHUNK_FN: Any = _ce_chunk_fused  # likewise (loss.fused_ce)
 
 _CAST: list[Any] = []  # [weight, its _version, dtype, the cast copy]: one entry, the frozen head
 
@@ -107,9 +135,11 @@ def compile_loss() -> None:
     scatter, scale, cast); compiled they fuse into a few. Chunks are padded to `chunk` rows so
     one static shape serves every step (train config runtime.compile "loss").
     """
-    global _CHUNK_FN
+    global _CHUNK_FN, _FUSED_CHUNK_FN
     if _CHUNK_FN is _ce_chunk:
         _CHUNK_FN = torch.compile(_ce_chunk, dynamic=False)
+    if _FUSED_CHUNK_FN is _ce_chunk_fused:
+        _FUSED_CHUNK_FN = torch.compile(_ce_chunk_fused, dynamic=False)
 
 
 class LinearCrossEntropy(torch.autograd.Function):
@@ -128,6 +158,7 @@ class LinearCrossEntropy(torch.autograd.Function):
         labels: torch.Tensor,  # [T] long
         token_weights: torch.Tensor,  # [T] float
         chunk: int,
+        fused: bool = False,  # loss.fused_ce: `_ce_chunk_fused` instead of `_ce_chunk` (same values)
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         t = hidden.shape[0]
         need_grad = bool(ctx.needs_input_grad[0])
@@ -138,13 +169,14 @@ class LinearCrossEntropy(torch.autograd.Function):
         cdt = torch.get_autocast_dtype(dev) if on else torch.promote_types(hidden.dtype, weight.dtype)
         w_mat = _cast_frozen(weight, cdt)
         h_all = hidden.to(cdt)
-        if _CHUNK_FN is not _ce_chunk:  # compiled: pad to whole chunks, one static shape (padding has w = 0)
+        fn, eager = (_FUSED_CHUNK_FN, _ce_chunk_fused) if fused else (_CHUNK_FN, _ce_chunk)
+        if fn is not eager:  # compiled: pad to whole chunks, one static shape (padding has w = 0)
             pad = -t % chunk
             h_all = torch.nn.functional.pad(h_all, (0, 0, 0, pad))
             labels = torch.nn.functional.pad(labels, (0, pad))
             token_weights = torch.nn.functional.pad(token_weights, (0, pad))
         outs = [
-            _CHUNK_FN(
+            fn(
                 h_all[i : i + chunk],
                 w_mat,
                 labels[i : i + chunk],
@@ -165,7 +197,7 @@ class LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_total: torch.Tensor, _g_ce: torch.Tensor, _g_pred: torch.Tensor):  # type: ignore[override]  # noqa: ANN001, ANN205
         (grad,) = ctx.saved_tensors
-        return grad * g_total.to(grad.dtype), None, None, None, None
+        return grad * g_total.to(grad.dtype), None, None, None, None, None
 
 
 @dataclass
@@ -187,6 +219,7 @@ def drafter_loss(
     weights: torch.Tensor,  # [B] slot weights
     denominator: torch.Tensor | float,  # Σw over the global batch, a CPU value (see loss_denominator)
     chunk_tokens: int = 4096,
+    fused_ce: bool = False,  # loss.fused_ce: two passes over each chunk's logits instead of log_softmax's
 ) -> LossOutput:
     r, q, h = hidden.shape
     b = draft.block_size
@@ -197,7 +230,7 @@ def drafter_loss(
     labels = draft.labels.reshape(-1).index_select(0, idx)  # [T]
     tok_w = weights.to(device)[flat_slots.index_select(0, idx)]  # [T]
     sel = hidden.reshape(r * q, h).index_select(0, idx)  # [T, H]
-    total, ce, pred = LinearCrossEntropy.apply(sel, lm_head_weight, labels, tok_w, chunk_tokens)
+    total, ce, pred = LinearCrossEntropy.apply(sel, lm_head_weight, labels, tok_w, chunk_tokens, fused_ce)
     # DDP averages gradients over ranks: scale by world size so the result is Σ w·CE / Σw_global
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     loss = total * (world / float(denominator))  # a host float: no device transfer, no sync

@@ -26,10 +26,12 @@ class NoiseSettings:
     embedding_std: float = 0.0  # relative noise on the block embeddings
 
 
-def block_attention_mask(draft: DraftBatch, attention: str, device: torch.device) -> Any:
+def block_attention_mask(
+    draft: DraftBatch, attention: str, device: torch.device, flex_block_size: tuple[int, int] = (128, 128)
+) -> Any:
     """The drafter step's mask in the form the attention path takes ("flex" or "dense")."""
     if attention == "flex":
-        return flex_block_mask(draft, device)
+        return flex_block_mask(draft, device, flex_block_size)
     return dense_block_mask(draft)
 
 
@@ -44,6 +46,8 @@ def micro_step(
     attention: str = "dense",
     noise: NoiseSettings | None = None,
     chunk_tokens: int = 4096,
+    fused_ce: bool = False,  # loss.fused_ce
+    flex_block_size: tuple[int, int] = (128, 128),  # runtime.flex_block_size: the BlockMask's (Q, KV) tile
     compute_dtype: torch.dtype | None = None,  # bf16 → autocast (fp32 master weights stay in the optimizer)
 ) -> LossOutput:
     device = draft.block_ids.device
@@ -57,8 +61,10 @@ def micro_step(
         feats, emb = feats.to(param_dtype), emb.to(param_dtype)
     feats = add_noise(feats, noise.feature_std)  # a copy: batch.features is untouched
     emb = add_noise(emb, noise.embedding_std)
-    mask = block_attention_mask(draft, attention, device)
+    mask = block_attention_mask(draft, attention, device, flex_block_size)
     use_autocast = compute_dtype is not None and compute_dtype != param_dtype
     with torch.autocast(device.type, dtype=compute_dtype or param_dtype, enabled=use_autocast):
         hidden = drafter(feats, emb, draft.position_ids, mask)  # [R, N·B, H]
-        return drafter_loss(hidden, draft, target.lm_head.weight, weights, denominator, chunk_tokens)
+        return drafter_loss(
+            hidden, draft, target.lm_head.weight, weights, denominator, chunk_tokens, fused_ce=fused_ce
+        )

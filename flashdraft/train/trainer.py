@@ -318,9 +318,14 @@ class Trainer:
             no_sync = getattr(self.model, "no_sync", None)
             ctx = no_sync() if (no_sync is not None and not last) else contextlib.nullcontext()
             with ctx:
+                if self.cfg.runtime.compile_mode == "reduce-overhead" and self.device.type == "cuda":
+                    # CUDA graphs (cudagraph trees): a new step, so the last replay's outputs may be overwritten
+                    torch.compiler.cudagraph_mark_step_begin()
                 out = micro_step(
                     self.model, self.target, fb, draft, weights, denom,
                     attention=self.attention, noise=self.noise, chunk_tokens=cfg.loss.chunk_tokens,
+                    fused_ce=cfg.loss.fused_ce,
+                    flex_block_size=(cfg.runtime.flex_block_size[0], cfg.runtime.flex_block_size[1]),
                     compute_dtype=self.compute_dtype,
                 )  # fmt: skip
                 out.loss.backward()

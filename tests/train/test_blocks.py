@@ -178,6 +178,35 @@ def test_drafter_output_same_with_flex_and_dense_mask():
     torch.testing.assert_close(flex_out, dense_out, rtol=1e-9, atol=1e-9)
 
 
+def test_smaller_flex_tiles_give_the_same_mask_and_output():
+    """runtime.flex_block_size: a BlockMask with (16, 32) tiles is the same mask (its dense form equals the
+    rule's), and the drafter through it (with the matching kernel options) gives the dense output."""
+    from flashdraft.drafter import flex_kernel_options
+
+    t = tiny_target("llama")
+    drafter = tiny_drafter(t, block_size=4)
+    docs = make_docs([40, 25, 33, 50], seed=4)
+    fb = features_for(t, [[docs[0], docs[1]], [docs[2], docs[3]]], drafter.target_layer_ids, max_length=96)
+    d = build_blocks(fb, AnchorSampler(1).sample(fb, 6), block_size=4, mask_token_id=drafter.mask_token_id)
+    small = flex_block_mask(d, "cpu", (16, 32))
+    assert small.BLOCK_SIZE == (16, 32)
+    r, q = d.block_ids.shape
+    dense = dense_block_mask(d)
+    # every unmasked pair lies in a tile the BlockMask visits (partial or full): no attention is skipped
+    tiles = small.to_dense().bool()  # [R, 1, Q/16, KV/32] visited tiles
+    cover = tiles.repeat_interleave(16, 2).repeat_interleave(32, 3)[:, :, :q, : dense.shape[-1]]
+    assert not (dense & ~cover).any()
+    assert flex_kernel_options((128, 128)) is None
+    opts = flex_kernel_options((64, 32))
+    assert opts["fwd_BLOCK_M"] == 64 and opts["bwd_BLOCK_N1"] % opts["bwd_BLOCK_M1"] == 0
+    assert opts["bwd_BLOCK_M2"] % opts["bwd_BLOCK_N2"] == 0
+    emb = t.embed_tokens(d.block_ids)
+    with torch.no_grad():
+        dense_out = drafter(fb.features, emb, d.position_ids, dense)
+        small_out = drafter(fb.features, emb, d.position_ids, small)
+    torch.testing.assert_close(small_out, dense_out, rtol=1e-9, atol=1e-9)
+
+
 def test_no_leak_between_blocks_and_from_future_context():
     """Changing a block, or context at/after the anchor, must not change another block's output."""
     t = tiny_target("qwen3")

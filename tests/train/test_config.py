@@ -56,6 +56,9 @@ def test_unknown_keys_and_bad_values_are_errors(overrides, message):
         (["data.dataset=x", "runtime.compile=model,loss"], "runtime.compile=model needs static shapes: set data.blocks_per_row"),
         (["data.dataset=x", "data.blocks_per_row=-1"], "data.blocks_per_row -1 must be >= 0"),
         (["data.dataset=x", "runtime.time_limit_min=0"], "runtime.time_limit_min"),
+        (["data.dataset=x", "runtime.flex_block_size=[96,128]"], r"runtime.flex_block_size \[96, 128\]"),
+        (["data.dataset=x", "runtime.flex_block_size=[64]"], "two tile sizes"),
+        (["data.dataset=x", "runtime.compile_mode=fast"], "runtime.compile_mode 'fast'"),
     ],
 )
 def test_validate_names_the_field(overrides, message):

@@ -89,6 +89,7 @@ def test_whole_drafter_compile_with_static_shapes_compiles_once(tmp_path, monkey
     from flashdraft.train.metrics import read_metrics
 
     monkeypatch.setattr(loss_mod, "_CHUNK_FN", loss_mod._ce_chunk)  # compile_loss() state ends with the test
+    monkeypatch.setattr(loss_mod, "_FUSED_CHUNK_FN", loss_mod._ce_chunk_fused)
     monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
     torch._dynamo.reset()
     t = tiny_target("llama", dtype=torch.bfloat16, hidden=64)

@@ -78,6 +78,7 @@ def test_compiled_loss_chunks_match_eager(monkeypatch):
     for compiled in (False, True):
         if compiled:
             monkeypatch.setattr(loss_mod, "_CHUNK_FN", loss_mod._ce_chunk)
+            monkeypatch.setattr(loss_mod, "_FUSED_CHUNK_FN", loss_mod._ce_chunk_fused)
             loss_mod.compile_loss()
             assert loss_mod._CHUNK_FN is not loss_mod._ce_chunk
         hidden.grad = None
@@ -88,6 +89,71 @@ def test_compiled_loss_chunks_match_eager(monkeypatch):
     torch.testing.assert_close(l1, l0, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(g1, g0, rtol=1e-4, atol=1e-6)
     assert torch.equal(c1, c0) and torch.equal(s1, s0)
+
+
+def test_fused_ce_matches_the_reference_loss_gradient_and_argmax_in_float64():
+    """loss.fused_ce: the two-pass chunk gives the log_softmax chunk's loss, gradient, per-slot accuracy and
+    τ proxy (float64, chunks smaller than T and a tied maximum for the argmax)."""
+    torch.manual_seed(1)
+    _, draft = _case()
+    r, q = draft.block_ids.shape
+    head = torch.randn(97, 16, dtype=torch.float64)
+    head[5] = head[7]  # two identical rows: tied logits, argmax must pick the same index in both paths
+    w = slot_weights(4, gamma=2.0).double()
+    denom = loss_denominator([draft], w)
+    base = torch.randn(r, q, 16, dtype=torch.float64)
+    base[0, 1] = head[5] * 3  # a labelled-or-not slot whose top logit is the tie
+    results = []
+    for fused in (False, True):
+        hidden = base.clone().requires_grad_(True)
+        out = drafter_loss(hidden, draft, head, w, denom, chunk_tokens=7, fused_ce=fused)
+        out.loss.backward()
+        results.append((out.loss.detach(), hidden.grad, out.weighted_ce, out.slot_correct, out.streak_sum))
+    (l0, g0, ce0, c0, s0), (l1, g1, ce1, c1, s1) = results
+    torch.testing.assert_close(l1, l0, rtol=1e-13, atol=1e-13)
+    torch.testing.assert_close(ce1, ce0, rtol=1e-13, atol=1e-13)
+    torch.testing.assert_close(g1, g0, rtol=1e-12, atol=1e-14)
+    assert torch.equal(c1, c0) and torch.equal(s1, s0)
+
+
+def test_fused_ce_argmax_on_ties_is_the_reference_one():
+    from flashdraft.train.loss import _ce_chunk, _ce_chunk_fused
+
+    h = torch.ones(3, 4, dtype=torch.float64)
+    w = torch.zeros(6, 4, dtype=torch.float64)
+    w[2] = w[4] = 1.0  # logits 0, 0, 4, 0, 4, 0: a tie at the top
+    labels, tw = torch.tensor([2, 4, 0]), torch.ones(3, dtype=torch.float64)
+    ref = _ce_chunk(h, w, labels, tw, torch.float64, True)
+    new = _ce_chunk_fused(h, w, labels, tw, torch.float64, True)
+    assert torch.equal(new[1], ref[1])
+    torch.testing.assert_close(new[0], ref[0], rtol=1e-14, atol=1e-14)
+    torch.testing.assert_close(new[2], ref[2], rtol=1e-14, atol=1e-14)
+
+
+def test_compiled_fused_ce_matches_the_eager_reference(monkeypatch):
+    """runtime.compile "loss" with loss.fused_ce: compiled (CPU inductor here), padded chunks, float32 —
+    the eager reference loss and gradient."""
+    from flashdraft.train import loss as loss_mod
+
+    torch.manual_seed(0)
+    _, draft = _case()
+    r, q = draft.block_ids.shape
+    hidden = torch.randn(r, q, 16, requires_grad=True)
+    head = torch.randn(97, 16)
+    w = slot_weights(4, gamma=2.0)
+    denom = loss_denominator([draft], w)
+    ref = drafter_loss(hidden, draft, head, w, denom, chunk_tokens=7)
+    ref.loss.backward()
+    g_ref, hidden.grad = hidden.grad.clone(), None
+    monkeypatch.setattr(loss_mod, "_CHUNK_FN", loss_mod._ce_chunk)
+    monkeypatch.setattr(loss_mod, "_FUSED_CHUNK_FN", loss_mod._ce_chunk_fused)
+    loss_mod.compile_loss()
+    assert loss_mod._FUSED_CHUNK_FN is not loss_mod._ce_chunk_fused
+    out = drafter_loss(hidden, draft, head, w, denom, chunk_tokens=7, fused_ce=True)  # T not a multiple of 7
+    out.loss.backward()
+    torch.testing.assert_close(out.loss.detach(), ref.loss.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(hidden.grad, g_ref, rtol=1e-4, atol=1e-6)
+    assert torch.equal(out.slot_correct, ref.slot_correct) and torch.equal(out.streak_sum, ref.streak_sum)
 
 
 def test_slot_accuracy_and_tau_proxy():
