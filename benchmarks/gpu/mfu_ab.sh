@@ -1,0 +1,107 @@
+#!/usr/bin/env bash
+# Drafter-step MFU A/B (issue 5): the session-5 measurement (SmolLM2-135M bf16 target, 5-layer b16 drafter,
+# synthetic 1,024-token documents, 512 anchors, `--compile model,loss --blocks-per-row 1024`) and each
+# lever switched on alone, one process per variant (compile state is global), one table at the end:
+#   bash benchmarks/gpu/mfu_ab.sh                      # on the H200, from the repo root (sources env.sh)
+#   DRY=1 bash benchmarks/gpu/mfu_ab.sh                # CPU dry run: tiny random target, same code paths
+#   VARIANTS="base fused all" bash benchmarks/gpu/mfu_ab.sh
+# Variants (flags added to the base command line):
+#   base      none (session 5: 24.1%)
+#   fused     --fused-ce                     loss: two passes over bf16 logits, no [chunk, V] float32
+#   chunk8k   --fused-ce --chunk-tokens 8192 the same, half as many chunks
+#   flex64    --flex-block 64,64             BlockMask tiles 64 × 64 (fewer partial tiles), matching kernel tiles
+#   flex128x64 --flex-block 128,64
+#   cgraph    --compile-mode reduce-overhead the compiled drafter replayed as CUDA graphs
+#   all       fused + chunk8k + flex64
+#   allcg     all + cgraph
+# PROFILE_VARIANT (default all) adds `--profile 2`: its top kernels land in the log.
+# Outputs: $OUT/mfu_ab.json (every variant's train_throughput JSON), $OUT/mfu_ab.log (every log),
+# $OUT/mfu_ab_table.txt. Wall: ~30-60 s a variant (the inductor cache is warm after the first); no variant
+# starts after DEADLINE_S (default 200), VARIANT_TIMEOUT_S (default 120) bounds one; order = priority.
+set -uo pipefail
+[ -f benchmarks/gpu/env.sh ] && [ -z "${DRY:-}" ] && source benchmarks/gpu/env.sh
+export PYTHONUNBUFFERED=1
+PY=${PY:-python3}
+[ -n "${DRY:-}" ] && [ -x .venv/bin/python ] && PY=.venv/bin/python
+OUT=${OUT:-/tmp/mfu_ab_out}
+mkdir -p "$OUT"
+WORK=$(mktemp -d /tmp/mfu_ab.XXXXXX)
+VARIANTS=${VARIANTS:-"base fused all cgraph flex64 chunk8k allcg"}
+DEADLINE_S=${DEADLINE_S:-200}
+VARIANT_TIMEOUT_S=${VARIANT_TIMEOUT_S:-120}
+
+if [ -n "${DRY:-}" ]; then
+  # CPU: eager drafter and loss, dense mask (compile and flex apply on CUDA only): checks the plumbing, flags
+  # and the table; 16 blocks a row keep the tiny steps short
+  BASE=(--device cpu --tiny --steps 2 --warmup-steps 1 --compile model,loss --blocks-per-row 16)
+else
+  BASE=(--target "${TARGET:-/root/work/smollm2-bf16}" --steps ${STEPS:-10} --warmup-steps ${WARMUP:-4}
+        --compile model,loss --blocks-per-row 1024)
+fi
+
+flags_of() {
+  case $1 in
+    base) echo "" ;;
+    fused) echo "--fused-ce" ;;
+    chunk8k) echo "--fused-ce --chunk-tokens 8192" ;;
+    flex64) echo "--flex-block 64,64" ;;
+    flex128x64) echo "--flex-block 128,64" ;;
+    cgraph) echo "--compile-mode reduce-overhead" ;;
+    all) echo "--fused-ce --chunk-tokens 8192 --flex-block 64,64" ;;
+    allcg) echo "--fused-ce --chunk-tokens 8192 --flex-block 64,64 --compile-mode reduce-overhead" ;;
+    *) echo "unknown variant $1" >&2; return 1 ;;
+  esac
+}
+
+start=$SECONDS
+: > "$OUT/mfu_ab.log"
+for v in $VARIANTS; do
+  flags=$(flags_of "$v") || continue
+  if (( SECONDS - start > DEADLINE_S )); then
+    echo "== $v: skipped (deadline ${DEADLINE_S}s reached)" | tee -a "$OUT/mfu_ab.log"
+    continue
+  fi
+  echo "== $v: ${BASE[*]} $flags" | tee -a "$OUT/mfu_ab.log"
+  t0=$SECONDS
+  # one variant also prints torch.profiler's top kernels after its timed steps (timings unaffected)
+  [ "$v" = "${PROFILE_VARIANT:-all}" ] && [ -z "${DRY:-}" ] && flags="$flags --profile 2"
+  # shellcheck disable=SC2086
+  timeout "$VARIANT_TIMEOUT_S" $PY benchmarks/train_throughput.py "${BASE[@]}" $flags \
+    --json "$WORK/$v.json" > "$WORK/$v.log" 2>&1
+  rc=$?
+  echo "$rc" > "$WORK/$v.rc"
+  echo "== $v: exit $rc, $((SECONDS - t0)) s" | tee -a "$OUT/mfu_ab.log"
+  cat "$WORK/$v.log" >> "$OUT/mfu_ab.log"
+  [ "$rc" = 0 ] || grep -E "Error|error|Exception" "$WORK/$v.log" | tail -4
+done
+
+$PY - "$WORK" "$OUT" $VARIANTS <<'EOF'
+import json, sys
+from pathlib import Path
+work, out, variants = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3:]
+rows, results = [], {}
+for v in variants:
+    j, rc = work / f"{v}.json", work / f"{v}.rc"
+    if not j.exists():
+        status = "skipped" if not rc.exists() else f"failed (exit {rc.read_text().strip()})"
+        rows.append(f"| {v} | {status} | | | | | |")
+        continue
+    r = json.loads(j.read_text())
+    results[v] = r
+    peak = r["peak_memory_gib"]
+    rows.append(
+        f"| {v} | ok | {1e3 * r['drafter_s']:.1f} | {1e3 * r['step_s']:.1f} | {100 * r['drafter_mfu']:.2f}% "
+        f"| {r['drafter_tflops_per_s']:.1f} | {'%.2f' % peak if peak is not None else '-'} |"
+    )
+base = results.get("base")
+table = ["| variant | status | drafter step ms | full step ms | drafter MFU | TFLOP/s | peak GiB |",
+         "|---|---|---:|---:|---:|---:|---:|", *rows]
+if base:
+    table.append("")
+    table += [f"{v}: drafter step {r['drafter_s'] / base['drafter_s']:.3f}x base" for v, r in results.items() if v != "base"]
+text = "\n".join(table)
+print(text)
+(out / "mfu_ab_table.txt").write_text(text + "\n")
+(out / "mfu_ab.json").write_text(json.dumps(results, indent=2) + "\n")
+EOF
+echo "total $((SECONDS - start)) s; files in $OUT"
