@@ -95,16 +95,27 @@ def profile_steps(
 ) -> None:
     """Where an optimizer step's time goes: torch.profiler over `steps` steps, the top rows by device
     time (CUDA) or CPU time, printed as a table (the lever for the drafter step's MFU)."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=acts) as prof:
+        t0 = time.perf_counter()
         for _ in range(steps):
             trainer.optimizer_step([next(batches) for _ in range(grad_accum)], Interval(block, device))
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        sync(device)
+        wall = time.perf_counter() - t0
+    avg = prof.key_averages()
     key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60), flush=True)
+    print(avg.table(sort_by=key, row_limit=25, max_name_column_width=60), flush=True)
+    # kernel time as the table's "Self CUDA time total" counts it; the rest of the wall is the GPU waiting
+    kernels = sum(e.self_device_time_total for e in avg if e.device_type == DeviceType.CUDA) / 1e6
+    gpu = f", kernels {1e3 * kernels / steps:.1f} ms/step, GPU idle {max(0.0, 1 - kernels / wall):.1%}"
+    print(f"profiled {steps} optimizer steps (target pass included): wall {1e3 * wall / steps:.1f} ms/step"
+          + (gpu if device.type == "cuda" else ""))  # fmt: skip
+    for e in sorted((e for e in avg if e.key.startswith("step/")), key=lambda e: e.key):  # Trainer phases
+        print(f"  {e.key:<20} host {e.cpu_time_total / 1e3 / steps:8.2f} ms/step   "
+              f"device {e.device_time_total / 1e3 / steps:8.2f} ms/step")  # fmt: skip
 
 
 def main() -> None:

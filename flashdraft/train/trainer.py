@@ -44,6 +44,8 @@ from flashdraft.train.metrics import MetricsLogger
 from flashdraft.train.source import FeatureSource
 from flashdraft.train.step import NoiseSettings, micro_step
 
+_phase = torch.profiler.record_function  # named step phases in torch.profiler tables (benchmarks/train_throughput.py)
+
 TARGET_OOM_HINT = (
     "out of memory in the target feature pass: lower data.token_budget (target tokens per micro-batch; raise "
     "optim.grad_accum to keep the global batch) or data.max_length"
@@ -303,10 +305,11 @@ class Trainer:
         # else pad the query length N·B to a multiple of data.pad_multiple (few shapes for compiled kernels)
         blocks_multiple = max(1, d.pad_multiple // self.block_size)
         drafts_cpu = []
-        for fb in micro:
-            anchors = self.anchor_sampler.sample(fb, d.max_anchors, blocks_multiple, d.blocks_per_row)
-            drafts_cpu.append(build_blocks(fb, anchors, self.block_size, self.mask_token_id))
-        denom = loss_denominator(drafts_cpu, self.weights).clamp_min(1.0)  # ≥ 1 whenever any slot has a label
+        with _phase("step/blocks"):  # host work: anchors, blocks, Σw (profiler rows; no cost without one)
+            for fb in micro:
+                anchors = self.anchor_sampler.sample(fb, d.max_anchors, blocks_multiple, d.blocks_per_row)
+                drafts_cpu.append(build_blocks(fb, anchors, self.block_size, self.mask_token_id))
+            denom = loss_denominator(drafts_cpu, self.weights).clamp_min(1.0)  # ≥ 1 whenever any slot has a label
         lr = self.schedule(self.step)
         for g in self.optimizer.param_groups:
             g["lr"] = lr
@@ -321,14 +324,15 @@ class Trainer:
                 if self.cfg.runtime.compile_mode == "reduce-overhead" and self.device.type == "cuda":
                     # CUDA graphs (cudagraph trees): a new step, so the last replay's outputs may be overwritten
                     torch.compiler.cudagraph_mark_step_begin()
-                out = micro_step(
-                    self.model, self.target, fb, draft, weights, denom,
-                    attention=self.attention, noise=self.noise, chunk_tokens=cfg.loss.chunk_tokens,
-                    fused_ce=cfg.loss.fused_ce,
-                    flex_block_size=(cfg.runtime.flex_block_size[0], cfg.runtime.flex_block_size[1]),
-                    compute_dtype=self.compute_dtype,
-                )  # fmt: skip
-                out.loss.backward()
+                with _phase("step/forward_loss"):
+                    out = micro_step(
+                        self.model, self.target, fb, draft, weights, denom,
+                        attention=self.attention, noise=self.noise, chunk_tokens=cfg.loss.chunk_tokens,
+                        fused_ce=cfg.loss.fused_ce, flex_block_size=(cfg.runtime.flex_block_size[0],
+                        cfg.runtime.flex_block_size[1]), compute_dtype=self.compute_dtype,
+                    )  # fmt: skip
+                with _phase("step/backward"):
+                    out.loss.backward()
             step_ce += out.weighted_ce.double()
             interval.slot_correct += out.slot_correct.double()
             interval.slot_count += out.slot_count.double()
@@ -339,13 +343,14 @@ class Trainer:
             self.tokens_seen += fb.num_tokens
             self.anchors_seen += int(d_cpu.valid.sum())
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        grad_norm = self._clip_grad_norm(params).double()
-        step_loss = step_ce / float(denom)
-        bad = ~(torch.isfinite(grad_norm) & torch.isfinite(step_loss))
-        # a non-finite step is skipped on the device: fused AdamW leaves weights and moments alone
-        self.optimizer.found_inf = bad.float()  # type: ignore[attr-defined]
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        with _phase("step/optimizer"):
+            grad_norm = self._clip_grad_norm(params).double()
+            step_loss = step_ce / float(denom)
+            bad = ~(torch.isfinite(grad_norm) & torch.isfinite(step_loss))
+            # a non-finite step is skipped on the device: fused AdamW leaves weights and moments alone
+            self.optimizer.found_inf = bad.float()  # type: ignore[attr-defined]
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
         self._bad_streak = torch.where(bad, self._bad_streak + 1, torch.zeros_like(self._bad_streak))
         interval.max_bad_streak = torch.maximum(interval.max_bad_streak, self._bad_streak)
         interval.bad_steps += bad.double()
