@@ -216,6 +216,7 @@ def main() -> None:
     params = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
     batches = iter(source)
     rows = []
+    step_losses = []  # device scalars, read after the timed loop: variants must train alike (same seeds)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     # queued: sync the trainer's stream only (a device-wide sync would wait for the producer too)
@@ -226,7 +227,9 @@ def main() -> None:
         micro = [next(batches) for _ in range(args.grad_accum)]
         wait()
         t1 = time.perf_counter()
-        drafts = trainer.optimizer_step(micro, Interval(hcfg.block_size, device))
+        iv = Interval(hcfg.block_size, device)
+        drafts = trainer.optimizer_step(micro, iv)
+        step_losses.append(iv.loss_sum)
         wait()
         t2 = time.perf_counter()
         if i == args.warmup_steps - 1 and queued:
@@ -287,6 +290,9 @@ def main() -> None:
         "block_padding_fraction": 1 - tot["block_tokens"] / tot["padded_block_tokens"],
         "drafter_tflops_per_s": tot["flops"] / tot["drafter_s"] / 1e12,
         "drafter_mfu": mfu,
+        # the same seeds, data and anchors in every run: a lever that changes the maths shows up here
+        "loss_first_step": float(step_losses[0]),
+        "loss_last_step": float(step_losses[-1]),
         "peak_tflops": args.peak_tflops,
         "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
         "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30
