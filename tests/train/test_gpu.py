@@ -106,3 +106,56 @@ def test_whole_drafter_compile_with_static_shapes_compiles_once(tmp_path, monkey
     losses = [m["loss"] for m in read_metrics(tmp_path / "run")]
     assert result.steps == 8 and result.epoch >= 1  # crossed an epoch boundary (a short last batch)
     assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
+
+
+def test_compiled_fused_ce_matches_reference_in_bf16_on_cuda(monkeypatch):
+    """loss.fused_ce compiled on CUDA (bf16 logits, Triton) against the eager log_softmax chunk: the same
+    loss and input gradient to bf16 accuracy, and the same argmax accuracy counts."""
+    from flashdraft.train import loss as loss_mod
+
+    monkeypatch.setattr(loss_mod, "_CHUNK_FN", loss_mod._ce_chunk)
+    monkeypatch.setattr(loss_mod, "_FUSED_CHUNK_FN", loss_mod._ce_chunk_fused)
+    t, drafter, fb, d = _gpu_case()
+    w = slot_weights(8)
+    denom = loss_denominator([d], w)
+    dg = d.to("cuda")
+    res = {}
+    for fused in (False, True):
+        if fused:
+            loss_mod.compile_loss()
+        drafter.zero_grad(set_to_none=True)
+        out = micro_step(
+            drafter, t, fb, dg, w.cuda(), denom, attention="flex", chunk_tokens=256, fused_ce=fused,
+            compute_dtype=torch.bfloat16,
+        )  # fmt: skip
+        out.loss.backward()
+        res[fused] = (float(out.loss), drafter.fc.weight.grad.clone(), out.slot_correct.sum().item())
+    assert res[True][0] == pytest.approx(res[False][0], rel=1e-2)
+    cos = torch.nn.functional.cosine_similarity(res[True][1].flatten(), res[False][1].flatten(), dim=0)
+    assert cos > 0.99
+    assert abs(res[True][2] - res[False][2]) <= 0.02 * max(res[False][2], 1)  # bf16 ties may flip a few
+
+
+@pytest.mark.parametrize("tiles", [(64, 64), (128, 64)])
+def test_smaller_flex_tiles_match_the_default_on_cuda(tiles):
+    """runtime.flex_block_size: compiled FlexAttention with smaller BlockMask and kernel tiles gives the
+    default tiles' loss and gradient (forward and backward kernels)."""
+    from flashdraft.drafter import compile_flex_attention
+
+    compile_flex_attention()
+    t, drafter, fb, d = _gpu_case()
+    w = slot_weights(8)
+    denom = loss_denominator([d], w)
+    dg = d.to("cuda")
+    res = {}
+    for size in ((128, 128), tiles):
+        drafter.zero_grad(set_to_none=True)
+        out = micro_step(
+            drafter, t, fb, dg, w.cuda(), denom, attention="flex", flex_block_size=size,
+            compute_dtype=torch.bfloat16,
+        )  # fmt: skip
+        out.loss.backward()
+        res[size] = (float(out.loss), drafter.fc.weight.grad.clone())
+    assert res[tiles][0] == pytest.approx(res[(128, 128)][0], rel=1e-3)
+    cos = torch.nn.functional.cosine_similarity(res[tiles][1].flatten(), res[(128, 128)][1].flatten(), dim=0)
+    assert cos > 0.999
