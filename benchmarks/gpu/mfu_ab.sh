@@ -36,8 +36,14 @@ if [ -n "${DRY:-}" ]; then
   # and the table; 16 blocks a row keep the tiny steps short
   BASE=(--device cpu --tiny --steps 2 --warmup-steps 1 --compile model,loss --blocks-per-row 16)
 else
-  BASE=(--target "${TARGET:-/root/work/smollm2-bf16}" --steps ${STEPS:-10} --warmup-steps ${WARMUP:-4}
-        --compile model,loss --blocks-per-row 1024)
+  # session 5's target: the bf16 HF copy (~2 s a load); not env.sh's GGUF fallback (~20-40 s a load, per variant)
+  T=${MFU_TARGET:-/root/work/smollm2-bf16}
+  if [ ! -e "$T" ] && [ "$T" != random-smollm2 ]; then  # a bare machine: the same shapes, random weights
+    echo "note: target $T not found: random-smollm2 (same shapes; MFU depends on shapes, the loss values do not)"
+    T=random-smollm2
+  fi
+  # session 5: --steps 12 (5 untimed warm-up steps by default), --compile model,loss --blocks-per-row 1024
+  BASE=(--target "$T" --steps ${STEPS:-12} --warmup-steps ${WARMUP:-5} --compile model,loss --blocks-per-row 1024)
 fi
 
 flags_of() {
