@@ -98,6 +98,11 @@ class TargetModel:
         self.hidden_size = int(cfg.hidden_size)
         self.embed_tokens: nn.Embedding = model.get_input_embeddings()
         self.lm_head: nn.Module = model.get_output_embeddings()
+        # hazard: `logits_to_keep=1` hands the head a strided [b, 1, H] slice of [b, n, H]; torch's matmul then
+        # runs it as a bmm against the weight expanded to [b, H, V], which the CPU kernel copies (b × 57 MB
+        # for SmolLM2 in bf16): 31 s instead of 5.5 s for a 64 × 150-token prefill on 2 cores
+        # (benchmarks/regen_cpu.py). A contiguous input is one mm; values are unchanged.
+        self.lm_head.register_forward_pre_hook(_contiguous_input)
         self.vocab_size = int(self.embed_tokens.weight.shape[0])
         self.final_norm: nn.Module = model.model.norm
         self._cache_kw = cache_keyword(model)
@@ -188,6 +193,10 @@ class TargetModel:
             "parameters": sum(p.numel() for p in self.model.parameters()),
             "dtype": str(self.dtype).removeprefix("torch."),
         }
+
+
+def _contiguous_input(_m: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    return (args[0].contiguous(), *args[1:])
 
 
 def _head_dim(cfg: Any) -> int:

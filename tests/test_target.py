@@ -31,6 +31,18 @@ def test_selected_features_match_hf_hidden_states(family):
     torch.testing.assert_close(out.logits, t.model(ids).logits, rtol=0, atol=0)
 
 
+def test_last_logits_reach_the_head_as_a_contiguous_row(family):
+    # a strided [b, 1, H] slice made torch's CPU matmul copy the head weight once per row (flashdraft/target.py)
+    t = tiny_target(family)
+    seen: list[bool] = []
+    t.lm_head.register_forward_pre_hook(lambda _m, args: seen.append(args[0].is_contiguous()))
+    ids = torch.randint(3, 97, (3, 9))
+    out = t.forward(ids, logits="last")
+    assert seen == [True]
+    # float64: only the summation order differs
+    torch.testing.assert_close(out.logits[:, -1], t.forward(ids).logits[:, -1])
+
+
 def test_features_only_forward_stops_at_the_deepest_layer_and_matches(family):
     t = tiny_target(family)
     ids = torch.randint(3, 97, (2, 11))
