@@ -42,8 +42,9 @@ else
     echo "note: target $T not found: random-smollm2 (same shapes; MFU depends on shapes, the loss values do not)"
     T=random-smollm2
   fi
-  # session 5: --steps 12 (5 untimed warm-up steps by default), --compile model,loss --blocks-per-row 1024
-  BASE=(--target "$T" --steps ${STEPS:-12} --warmup-steps ${WARMUP:-5} --compile model,loss --blocks-per-row 1024)
+  # session 5 timed 12 steps after 5 warm-up ones; session 6 found that too few: the same code measured
+  # 318 ms a drafter step after 5 warm-up steps and 146 ms after 15 (benchmarks/RESULTS.md, H200 session 6)
+  BASE=(--target "$T" --steps ${STEPS:-25} --warmup-steps ${WARMUP:-15} --compile model,loss --blocks-per-row 1024)
 fi
 
 flags_of() {
