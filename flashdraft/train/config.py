@@ -58,7 +58,7 @@ class LossConfig:
     chunk_tokens: int = 4096  # labelled tokens per lm_head chunk: bounds the [chunk, V] float32 logits
     # two passes over each chunk's logits (max/argmax/Σexp, then the gradient) in the matmul dtype instead of
     # log_softmax's float32 passes; same values (tests/train/test_loss.py). Compiled on the H200 the drafter
-    # step took 0.745x the time (RESULTS.md, session 6): on in configs/smollm2-b16.yaml; eager CPU runs keep it off
+    # step took 0.745x the time (RESULTS.md, session 6): on in configs/smollm2-b16.yaml; the default stays off (not timed on CPU)
     fused_ce: bool = False
     feature_noise: float = 0.0  # relative Gaussian noise on the drafter's copy of the features (off: paper)
     embedding_noise: float = 0.0  # relative Gaussian noise on the block embeddings (off: paper)
