@@ -69,20 +69,20 @@ SIZES = {
     # prompts; 1.42 on 30): the drafter is data-limited — 860 training samples and 1,500 steps reached 1.48 on
     # the 30, and feature noise 0.15 or weight decay 0.1 did not help (1.42 / 1.41).
     "cpu": QuickstartSizes(
-        prompts=720,
+        prompts=1500,
         max_new_tokens=96,
         regen_batch=64,
         max_length=384,
         layers=4,
         target_layer_ids=[15],
         block_size=4,
-        steps=1200,
+        steps=1400,
         token_budget=1024,
         max_anchors=16,
         lr=4e-3,
         gamma=1.0,
         init_from_target="next",
-        train_minutes=6.0,
+        train_minutes=7.5,
         eval_prompts=12,
         eval_tokens=96,
         budgets="8,32",
@@ -221,7 +221,7 @@ def register(app: typer.Typer) -> None:
                       else ["--drafter-layers", str(sizes.layers)])  # fmt: skip
             _run(["features", "dump", "--dataset", str(data), "--out", str(feats), *layers,
                   "--max-length", str(sizes.max_length), "--token-budget", str(sizes.token_budget),
-                  "--dtype", dtype, "--device", device], log)  # fmt: skip
+                  "--dtype", dtype, "--target-dtype", dtype, "--device", device], log)  # fmt: skip
         overrides = train_overrides(sizes, run, data, feats, device)
         if not (run / "checkpoints").is_dir():  # a rerun evaluates what the first run trained
             _run(["train", str(CONFIG), *overrides], log)
