@@ -94,7 +94,9 @@ class RuntimeConfig:
     time_limit_min: float | None = None
     attention: str = "auto"  # auto: flex on CUDA, dense bool mask on CPU; or "flex" / "dense"
     # the FlexAttention BlockMask's (Q, KV) tile; torch's default 128 × 128 is partial at the edges of every
-    # run of 16-token blocks (flashdraft/train/blocks.py). Powers of two in 16..128; kernel tiles follow
+    # run of 16-token blocks (flashdraft/train/blocks.py). Powers of two in 16..128; kernel tiles follow. On sm90
+    # (H200) at head dim 64 torch's default backward tiles are 128 wide and must divide these: smaller tiles need
+    # compile_mode max-autotune-no-cudagraphs (its extra configs), else inductor finds no backward kernel
     flex_block_size: list[int] = field(default_factory=lambda: [128, 128])
     # torch.compile mode for runtime.compile=model: default, reduce-overhead (CUDA graphs: no per-kernel
     # launch cost; static shapes make one graph) or max-autotune-no-cudagraphs (long compile)
