@@ -58,16 +58,16 @@ class QuickstartSizes:
 
 
 SIZES = {
-    # CPU: 14.5 minutes measured end to end on an idle 2-core CPU with an empty cache (benchmarks/RESULTS.md,
-    # "Quickstart on the 2-core CPU (session 5)": data 247 s, features 107 s, train 352 s, eval 74 + 92 s).
-    # bf16 on this CPU (AVX512-BF16): regeneration 238 tok/s (fp32: 137), training steps ~0.29 s (fp32
-    # 0.52 s, autocast with fp32 master weights); the eval stays float32. So 2× run 2's prompts (720) and
-    # 1,200 steps fit. The lm_head over 49K tokens costs the same for every labelled slot, so a b4 drafter
-    # with the loss on the first slots (γ = 1) trains more anchors per minute than b8/b16. Started from target
-    # layers 16–19 (init_from_target=next after feature layer 15): better than random init and than 1 layer
-    # at equal steps. Answers stop at 96 tokens, the eval's reference length. Held-out chain τ 1.43 (12
-    # prompts; 1.42 on 30): the drafter is data-limited — 860 training samples and 1,500 steps reached 1.48 on
-    # the 30, and feature noise 0.15 or weight decay 0.1 did not help (1.42 / 1.41).
+    # CPU: 18.1 minutes measured end to end on an idle 2-core CPU with an empty cache (benchmarks/RESULTS.md,
+    # "Quickstart on the 2-core CPU (session 6)": data 358 s at 321 tok/s, features 79 s with the bf16 target,
+    # train 457 s (1,204 steps, stopped by the cap), eval 89 + 99 s). bf16 on this CPU (AVX512-BF16): the target
+    # regenerates and dumps features in bf16, training runs autocast with fp32 master weights, the eval stays
+    # float32. The lm_head over 49K tokens costs the same for every labelled slot, so a b4 drafter with the loss
+    # on the first slots (γ = 1) trains more anchors per minute than b8/b16. Started from target layers 16–19
+    # (init_from_target=next after feature layer 15): better than random init and than 1 layer at equal steps.
+    # Answers stop at 96 tokens, the eval's reference length. Held-out chain τ 1.47 (12 prompts; session 5's 720
+    # prompts and 1,200 steps: 1.43): with 1,062 training samples the training slot-1 accuracy (0.41) no longer
+    # runs ahead of the held-out one (0.38), so the steps that fit now limit it as much as the data.
     "cpu": QuickstartSizes(
         prompts=1500,
         max_new_tokens=96,
