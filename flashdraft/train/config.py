@@ -57,9 +57,10 @@ class LossConfig:
     gamma: float | None = None  # None: 7 / 5 / 4 for B = 16 / 10 / 8 (paper)
     chunk_tokens: int = 4096  # labelled tokens per lm_head chunk: bounds the [chunk, V] float32 logits
     # two passes over each chunk's logits (max/argmax/Σexp, then the gradient) in the matmul dtype instead of
-    # log_softmax's float32 passes; same values (tests/train/test_loss.py). Compiled on the H200 the drafter
-    # step took 0.745x the time (RESULTS.md, session 6): on in configs/smollm2-b16.yaml; the default stays off (not timed on CPU)
-    fused_ce: bool = False
+    # log_softmax's float32 passes; same values (tests/train/test_loss.py). None: on exactly where the loss is
+    # compiled (CUDA with "loss" in runtime.compile) — there the drafter step took 0.745x the time (H200,
+    # RESULTS.md session 6); eager on CPU it is slower (0.41 vs 0.25 s a quickstart step), so off there
+    fused_ce: bool | None = None
     feature_noise: float = 0.0  # relative Gaussian noise on the drafter's copy of the features (off: paper)
     embedding_noise: float = 0.0  # relative Gaussian noise on the block embeddings (off: paper)
 
@@ -109,6 +110,13 @@ class RuntimeConfig:
     def compile_parts(self) -> set[str]:
         """runtime.compile as a set ("none" → empty)."""
         return {p.strip() for p in self.compile.split(",") if p.strip() and p.strip() != "none"}
+
+
+def fused_ce_on(loss: LossConfig, runtime: RuntimeConfig, device_type: str) -> bool:
+    """loss.fused_ce, resolved: unset means on exactly where the loss is compiled (CUDA, "loss" compiled)."""
+    if loss.fused_ce is not None:
+        return loss.fused_ce
+    return device_type == "cuda" and "loss" in runtime.compile_parts
 
 
 @dataclass

@@ -38,13 +38,14 @@ from flashdraft.train.checkpoint import (
     save_checkpoint,
     step_of,
 )
-from flashdraft.train.config import TrainConfig
+from flashdraft.train.config import TrainConfig, fused_ce_on
 from flashdraft.train.loss import loss_denominator, slot_weights
 from flashdraft.train.metrics import MetricsLogger
 from flashdraft.train.source import FeatureSource
 from flashdraft.train.step import NoiseSettings, micro_step
 
-_phase = torch.profiler.record_function  # named step phases in torch.profiler tables (benchmarks/train_throughput.py)
+# named step phases in torch.profiler tables (benchmarks/train_throughput.py)
+_phase = torch.profiler.record_function
 
 TARGET_OOM_HINT = (
     "out of memory in the target feature pass: lower data.token_budget (target tokens per micro-batch; raise "
@@ -136,6 +137,7 @@ class Trainer:
         self.device = torch.device(device) if device is not None else next(drafter.parameters()).device
         self.compute_dtype = compute_dtype
         self.attention = attention
+        self.fused_ce = fused_ce_on(cfg.loss, cfg.runtime, self.device.type)
         self.on_step_end = on_step_end
         b = drafter.config.block_size
         self.block_size, self.mask_token_id = b, drafter.config.mask_token_id
@@ -309,7 +311,8 @@ class Trainer:
             for fb in micro:
                 anchors = self.anchor_sampler.sample(fb, d.max_anchors, blocks_multiple, d.blocks_per_row)
                 drafts_cpu.append(build_blocks(fb, anchors, self.block_size, self.mask_token_id))
-            denom = loss_denominator(drafts_cpu, self.weights).clamp_min(1.0)  # ≥ 1 whenever any slot has a label
+            # ≥ 1 whenever any slot has a label
+            denom = loss_denominator(drafts_cpu, self.weights).clamp_min(1.0)
         lr = self.schedule(self.step)
         for g in self.optimizer.param_groups:
             g["lr"] = lr
@@ -328,7 +331,7 @@ class Trainer:
                     out = micro_step(
                         self.model, self.target, fb, draft, weights, denom,
                         attention=self.attention, noise=self.noise, chunk_tokens=cfg.loss.chunk_tokens,
-                        fused_ce=cfg.loss.fused_ce, flex_block_size=(cfg.runtime.flex_block_size[0],
+                        fused_ce=self.fused_ce, flex_block_size=(cfg.runtime.flex_block_size[0],
                         cfg.runtime.flex_block_size[1]), compute_dtype=self.compute_dtype,
                     )  # fmt: skip
                 with _phase("step/backward"):

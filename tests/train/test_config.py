@@ -53,7 +53,10 @@ def test_unknown_keys_and_bad_values_are_errors(overrides, message):
         (["data.dataset=x", "runtime.attention=magic"], "runtime.attention"),
         (["data.dataset=x", "runtime.compile=true"], "runtime.compile 'True': use none or a comma-separated"),
         (["data.dataset=x", "runtime.compile=attention,lossy"], "runtime.compile 'attention,lossy'"),
-        (["data.dataset=x", "runtime.compile=model,loss"], "runtime.compile=model needs static shapes: set data.blocks_per_row"),
+        (
+            ["data.dataset=x", "runtime.compile=model,loss"],
+            "runtime.compile=model needs static shapes: set data.blocks_per_row",
+        ),
         (["data.dataset=x", "data.blocks_per_row=-1"], "data.blocks_per_row -1 must be >= 0"),
         (["data.dataset=x", "runtime.time_limit_min=0"], "runtime.time_limit_min"),
         (["data.dataset=x", "runtime.flex_block_size=[96,128]"], r"runtime.flex_block_size \[96, 128\]"),
@@ -86,3 +89,19 @@ def test_cli_reports_config_errors_in_one_line(tmp_path):
     assert bad_key.exit_code == 1 and "did you mean 'lr'" in bad_key.output
     no_ckpt = runner.invoke(app, ["train", str(cfg), "--resume"])
     assert no_ckpt.exit_code == 1 and "has no complete checkpoint" in no_ckpt.output
+
+
+def test_fused_ce_unset_follows_where_the_loss_is_compiled():
+    """loss.fused_ce unset: the fused CE only where the loss is compiled (it is slower eager on CPU)."""
+    from flashdraft.train.config import fused_ce_on
+
+    cfg = load_config(TrainConfig, None, ["runtime.compile=model,loss"])
+    assert cfg.loss.fused_ce is None
+    assert fused_ce_on(cfg.loss, cfg.runtime, "cuda") and not fused_ce_on(cfg.loss, cfg.runtime, "cpu")
+    eager = load_config(TrainConfig, None, ["runtime.compile=attention"])
+    assert not fused_ce_on(eager.loss, eager.runtime, "cuda")
+    for value, want in (("true", True), ("false", False)):
+        c = load_config(TrainConfig, None, [f"loss.fused_ce={value}", "runtime.compile=model,loss"])
+        assert (
+            fused_ce_on(c.loss, c.runtime, "cpu") is want and fused_ce_on(c.loss, c.runtime, "cuda") is want
+        )
