@@ -58,16 +58,16 @@ class QuickstartSizes:
 
 
 SIZES = {
-    # CPU: 18.1 minutes measured end to end on an idle 2-core CPU with an empty cache (benchmarks/RESULTS.md,
-    # "Quickstart on the 2-core CPU (session 6)": data 358 s at 321 tok/s, features 79 s with the bf16 target,
-    # train 457 s (1,204 steps, stopped by the cap), eval 89 + 99 s). bf16 on this CPU (AVX512-BF16): the target
+    # CPU: 16.8 minutes measured end to end on an idle 2-core CPU with an empty cache (benchmarks/RESULTS.md,
+    # "Quickstart on the 2-core CPU (session 6)": data 354 s (323 tok/s), features 91 s with the bf16 target,
+    # train 390 s (all 1,400 steps, 0.27 s each), eval 75 + 95 s). bf16 on this CPU (AVX512-BF16): the target
     # regenerates and dumps features in bf16, training runs autocast with fp32 master weights, the eval stays
     # float32. The lm_head over 49K tokens costs the same for every labelled slot, so a b4 drafter with the loss
     # on the first slots (γ = 1) trains more anchors per minute than b8/b16. Started from target layers 16–19
     # (init_from_target=next after feature layer 15): better than random init and than 1 layer at equal steps.
-    # Answers stop at 96 tokens, the eval's reference length. Held-out chain τ 1.47 (12 prompts; session 5's 720
-    # prompts and 1,200 steps: 1.43): with 1,062 training samples the training slot-1 accuracy (0.41) no longer
-    # runs ahead of the held-out one (0.38), so the steps that fit now limit it as much as the data.
+    # Answers stop at 96 tokens, the eval's reference length. Held-out chain τ 1.43 (12 prompts; 1.47 in a run
+    # stopped at 1,204 steps; session 5's 720 prompts and 1,200 steps: 1.43): with 1,062 training samples the
+    # training slot-1 accuracy (0.41–0.45) no longer runs far ahead of the held-out one (0.34–0.38).
     "cpu": QuickstartSizes(
         prompts=1500,
         max_new_tokens=96,
