@@ -23,7 +23,8 @@ resumes by skipping finished shards, and the final dataset is identical to an un
 (every batch's content and sampling seed depend only on the shard). When all shards are done,
 `write_dataset` dedups, splits, filters contamination and writes OUT atomically; then
 `OUT.partial/` is removed. With `--temperature` > 0 the sample ids name the sampling (`…@T0.8s1`), so a
-sampled set merges beside a greedy one (`flashdraft data merge`): more answers from the same prompts. With `--server URL` an OpenAI-compatible server generates instead.
+sampled set merges beside a greedy one (`flashdraft data merge`): more answers from the same prompts.
+With `--server URL` an OpenAI-compatible server generates instead.
 """
 
 from __future__ import annotations

@@ -138,6 +138,12 @@ class Trainer:
         self.compute_dtype = compute_dtype
         self.attention = attention
         self.fused_ce = fused_ce_on(cfg.loss, cfg.runtime, self.device.type)
+        fb = cfg.runtime.flex_block_size
+        self.flex_block_size = (fb[0], fb[1])  # the BlockMask's (Q, KV) tile
+        # CUDA graphs (cudagraph trees) replay the compiled drafter: each micro-step must open a new step
+        self.mark_cudagraph_steps = (
+            cfg.runtime.compile_mode == "reduce-overhead" and self.device.type == "cuda"
+        )
         self.on_step_end = on_step_end
         b = drafter.config.block_size
         self.block_size, self.mask_token_id = b, drafter.config.mask_token_id
@@ -324,15 +330,14 @@ class Trainer:
             no_sync = getattr(self.model, "no_sync", None)
             ctx = no_sync() if (no_sync is not None and not last) else contextlib.nullcontext()
             with ctx:
-                if self.cfg.runtime.compile_mode == "reduce-overhead" and self.device.type == "cuda":
-                    # CUDA graphs (cudagraph trees): a new step, so the last replay's outputs may be overwritten
+                if self.mark_cudagraph_steps:  # a new step: the last replay's outputs may be overwritten
                     torch.compiler.cudagraph_mark_step_begin()
                 with _phase("step/forward_loss"):
                     out = micro_step(
                         self.model, self.target, fb, draft, weights, denom,
                         attention=self.attention, noise=self.noise, chunk_tokens=cfg.loss.chunk_tokens,
-                        fused_ce=self.fused_ce, flex_block_size=(cfg.runtime.flex_block_size[0],
-                        cfg.runtime.flex_block_size[1]), compute_dtype=self.compute_dtype,
+                        fused_ce=self.fused_ce, flex_block_size=self.flex_block_size,
+                        compute_dtype=self.compute_dtype,
                     )  # fmt: skip
                 with _phase("step/backward"):
                     out.loss.backward()
