@@ -164,9 +164,15 @@ def _write(path: Path, ref: Reference) -> None:
 
 
 def _local(
-    target: Any, prompt: EvalPrompt, settings: ReferenceSettings, stop: list[int]
+    target: Any, prompt: EvalPrompt, settings: ReferenceSettings, stop: list[int], fast: bool
 ) -> tuple[list[int], str]:
-    from flashdraft.decode.generate import generate
+    """One prompt's continuation by AR decoding: the fast engine (static cache, CUDA graphs) where
+    `fast`, else the reference decoder — token-identical in exact arithmetic (tests/decode), while
+    on a GPU the reference decoder's eager steps cost ~25 ms each (DESIGN.md §7)."""
+    if fast:
+        from flashdraft.decode.engine import generate
+    else:
+        from flashdraft.decode.generate import generate
 
     seed = prompt_seed(settings.seed, prompt.id) if settings.temperature > 0 else None
     res = generate(
@@ -261,6 +267,7 @@ def compute_references(
     progress: bool = True,
     transport: Any | None = None,  # an httpx transport (tests use httpx.MockTransport)
     batch_size: int = 1,  # > 1: greedy local references in left-padded batches (see _local_batch)
+    fast_engine: bool | None = None,  # AR on the fast engine (None: where the target is on CUDA)
     on_reference: Callable[[Reference], None] | None = None,
 ) -> ReferenceSet:
     """References for `prompts`, from the cache where present, else from the target or the server."""
@@ -270,7 +277,9 @@ def compute_references(
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     stop = list(settings.stop_token_ids) if settings.stop_token_ids is not None else target_stop_ids(target)
     batched = server is None and batch_size > 1 and settings.temperature == 0
-    source = f"server:{server.url}" if server is not None else ("local-batched" if batched else "local")
+    fast = fast_engine if fast_engine is not None else torch.device(target.device).type == "cuda"
+    local = "local-batched" if batched else ("local-engine" if fast else "local")
+    source = f"server:{server.url}" if server is not None else local
     fp = target_fingerprint(target)
     keys = [reference_key(fp, p, settings, stop, source) for p in prompts]
     out: list[Reference | None] = [_read(_path(cache, k)) for k in keys]
@@ -302,7 +311,7 @@ def compute_references(
             bar.update(len(chunk))
     elif server is None:
         for i in todo:
-            tokens, reason = _local(target, prompts[i], settings, stop)
+            tokens, reason = _local(target, prompts[i], settings, stop, fast)
             out[i] = make(i, tokens, reason)
             bar.update(1)
     elif todo:

@@ -179,3 +179,19 @@ def test_local_divergences_are_counted_not_cut(tmp_path) -> None:
     assert st.checked == 48 and st.agreed == 47
     assert [(d["id"], d["index"]) for d in st.divergences] == [("p2", 15)] and st.divergences[0]["margin"] > 0
     assert any("differ from the teacher-forced argmax" in n for n in report.notes)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_fast_engine_references_match_reference_decoder(tmp_path, family) -> None:
+    """The fast engine (the default producer where the target is on CUDA) gives the reference decoder's
+    tokens (float64), greedy with a stop token, under its own source and cache key."""
+    target = tiny_target(family)
+    prompts = [*PROMPTS, EvalPrompt("long", [5, 6, 7, 8, 9, 10, 11, 12, 13], "token ids")]
+    s = ReferenceSettings(max_new_tokens=14, stop_token_ids=[4])
+    slow = compute_references(target, prompts, s, cache_dir=tmp_path, progress=False, fast_engine=False)
+    fast = compute_references(target, prompts, s, cache_dir=tmp_path, progress=False, fast_engine=True)
+    assert fast.computed == len(prompts)  # "local-engine": not served from the reference decoder's cache
+    assert [r.tokens for r in fast.references] == [r.tokens for r in slow.references]
+    assert [r.stop_reason for r in fast.references] == [r.stop_reason for r in slow.references]
+    assert {r.source for r in fast.references} == {"local-engine"}
+    assert {r.source for r in slow.references} == {"local"}  # a CPU target keeps the reference decoder
