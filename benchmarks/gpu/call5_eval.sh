@@ -4,9 +4,10 @@
 # held-out ShareGPT-40 at T=0 (budgets 8…512, top-8 streak), HumanEval-16 at T=1 — float32 target and
 # drafters, references by AR on the fast engine (flashdraft.eval.references). The target is the GGUF
 # dequantized to float32 (the weights the CPU evals used; the bf16 copy of env.sh rounds them).
-# Then optionally the decode speed of NEW (DECODE=1) and the tree-build benchmark (TREE=1).
+# Then optionally the decode speed of NEW (DECODE=1; its JSON is written at the end: session 7's 150 s
+# ran out in the transformers baselines, so only its printed lines came back — give it ≥ 240 s).
 #   OLD=models/smollm2-135m-instruct-dflash-b16 NEW=/root/work/drafter-bf16 bash benchmarks/gpu/call5_eval.sh
-# $OUT: evals.tgz (three report folders), eval.log, and decode_speed_t0.json / tree_build.json when asked.
+# $OUT: evals.tgz (three report folders), eval.log, and decode_speed_t0.json when asked.
 set -uo pipefail
 source benchmarks/gpu/env.sh
 OLD=${OLD:-models/smollm2-135m-instruct-dflash-b16}
@@ -37,9 +38,6 @@ ev() {  # name, then eval flags
   ev humaneval16-t1 --dataset $HE --limit 16 --max-new-tokens 256 --temperature 1.0 --budgets 8,32,128,512 --topk 8
 } 2>&1 | tee $OUT/eval.log
 tar -czf $OUT/evals.tgz -C /root/work evals
-if [ -n "${TREE:-}" ] && [ -f benchmarks/gpu/tree_build.py ]; then
-  timeout 120 python3 benchmarks/gpu/tree_build.py --device cuda 2>&1 | tail -15
-fi
 if [ -n "${DECODE:-}" ]; then
   timeout ${DECODE_TIMEOUT:-240} python3 benchmarks/decode_speed.py --target $TARGET --drafter $NEW --dataset $HE \
     --prompts ${PROMPTS_N:-5} --hf-prompts ${HF_PROMPTS:-1} --max-new-tokens 256 --budgets 8,16,32,64,128,256,512 \

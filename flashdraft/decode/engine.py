@@ -12,7 +12,7 @@ A round is a fixed sequence of phases over static buffers, each captured once as
     draft   feed the pending context rows (≤ B, padded) to the drafter cache, run the block,
             keep the head's logits for slots 1..B−1                       [drafter forward]
     tree    (DDTree) build the tree ON THE DEVICE (`build_tree_device`, same nodes and order as
-            `flashdraft.tree.build_tree`; compiled on CUDA), write tokens / positions / mask in place
+            `flashdraft.tree.build_tree`), write tokens / positions / mask in place
     verify  the native target forward at q = B (chain), budget+1 (tree) or 1 (AR), then the
             target's token choice (`choose_tokens`, the reference's function)
     commit  acceptance, the path's K/V gathered into place, state advanced — all on the device
@@ -88,125 +88,47 @@ class DeviceTree:
     log_probs: torch.Tensor  # float64 [N] cumulative log Q
 
 
-def build_tree_device(
-    draft_logits: torch.Tensor, plan: TreePlan, *, sort_free: bool | None = None
-) -> DeviceTree:
+def build_tree_device(draft_logits: torch.Tensor, plan: TreePlan) -> DeviceTree:
     """`flashdraft.tree.build_tree` without the host: same nodes, same order, same parents.
 
-    Depth by depth the best `budget` prefixes of each depth, then the best `budget` of all the
-    depths' lists (depth-major, so ties go to the shallower node): `select_nodes`. Scores are
-    float64 sums of float32 log-softmax values, root first — bit-identical to the heap's Python
-    floats. No host sync, fixed shapes: capturable in a CUDA graph. `sort_free` (default: off the
-    CPU) selects the lists without sorting; on CPU stable sorts are faster (the same lists).
-    `compiled_tree_builder` is this with `select_nodes` compiled; the log-softmax and top-k stay
-    eager in both, so the inputs are `build_tree`'s bit for bit.
+    Depth by depth, the best `budget` prefixes of each depth (a stable sort of the candidate
+    pairs), then a stable sort of all depths' lists (depth-major, so ties go to the shallower
+    node). Scores are float64 sums of float32 log-softmax values, root first — bit-identical to
+    the heap's Python floats. No host sync, fixed shapes: capturable in a CUDA graph.
+    Where k < budget, depth 1 has budget − k empty places: NaN, which the stable sorts of the
+    negated scores put after every real entry, -inf ones (tokens of probability 0) included.
+    (Measured on the H200, benchmarks/RESULTS.md session 7: counting stable ranks instead of
+    sorting was slower at budgets 8/32/512, and inductor could not compile it.)
     """
-    if sort_free is None:
-        sort_free = draft_logits.device.type != "cpu"
-    return _build_tree(draft_logits, plan, select_nodes, sort_free)
-
-
-def compiled_tree_builder(sort_free: bool = True) -> Callable[[torch.Tensor, TreePlan], DeviceTree]:
-    """`build_tree_device` with `select_nodes` through torch.compile (for CUDA): a depth's rank
-    count becomes one fused reduction instead of [M, M] temporaries. It compiles for each plan on
-    its first call, which must come before a graph capture (`_Phase` runs its function twice first).
-    Past dynamo's recompile limit (8 plans per process) the selection runs eagerly: same tree."""
-    compiled = torch.compile(select_nodes, dynamic=False, fullgraph=True)
-
-    def build(draft_logits: torch.Tensor, plan: TreePlan) -> DeviceTree:
-        return _build_tree(draft_logits, plan, compiled, sort_free)
-
-    return build
-
-
-def _build_tree(
-    draft_logits: torch.Tensor, plan: TreePlan, select: Callable[..., Any], sort_free: bool
-) -> DeviceTree:
-    num_slots = min(plan.num_slots, plan.budget)  # a depth-d node needs d nodes on its path: d <= budget
+    n = plan.budget
+    num_slots = min(plan.num_slots, n)  # a depth-d node needs d nodes on its path: d <= budget
+    device = draft_logits.device
     logp = torch.log_softmax(draft_logits[:num_slots].float(), dim=-1)  # [L, V] as build_tree computes it
     top_lp, top_ids = logp.topk(plan.k, dim=-1)  # [L, k] sorted descending (rank = column)
-    lq = top_lp.double()
-    tokens, parents, depths, log_probs = select(lq, top_ids, plan.pair_r, plan.pair_t, plan.budget, sort_free)
-    return DeviceTree(tokens=tokens, parents=parents, depths=depths, log_probs=log_probs)
-
-
-def select_nodes(
-    lq: torch.Tensor,  # float64 [L, k] the slots' top-k log-probs, each row sorted descending
-    top_ids: torch.Tensor,  # [L, k] their token ids
-    pair_r: torch.Tensor,  # [M] TreePlan.pair_r
-    pair_t: torch.Tensor,  # [M] TreePlan.pair_t
-    n: int,  # the budget
-    sort_free: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(tokens [N], parents [N+1], depths [N+1], log_probs float64 [N]) of the tree, root at 0.
-
-    Each depth's list is its candidates' stable descending sort, cut at n; the nodes are the first
-    n of all lists' stable sort (flattened depth-major). `sort_free` computes the same positions
-    without sorting (a float64 sort is a multi-pass radix sort: many small kernels). A candidate's
-    place in its depth's list is its stable rank #{j : c_j > c_i} + #{j < i : c_j == c_i}, counted
-    over all M² pairs (-inf ties like any value), and an entry's place in the merged list is the
-    number of entries of the other (sorted) lists before it: two binary searches per list.
-    Where k < n, depth 1 has n − k empty places (NaN here): they and their extensions rank after
-    every real entry, -inf ones included (the sort-based build let them tie with -inf nodes).
-    """
-    num_slots, k = lq.shape
-    m = pair_r.shape[0]
-    device = lq.device
-    cand_idx = torch.arange(m, device=device)
-    before = cand_idx[None, :] < cand_idx[:, None] if sort_free else None  # [M, M] j ahead of i on a tie
-    lq_pairs = lq[:, pair_t]  # [L, M] each pair's token log-prob at every depth
-    # per-depth lists. NaN marks "no entry" (depth 1 past k, and what extends it): it must rank after
-    # every real entry, -inf scores (tokens of probability 0) included, as the heap never sees it.
-    # Column n receives every candidate ranked past the budget (then dropped).
-    scores = torch.full((num_slots, n + 1), float("nan"), dtype=torch.float64, device=device)
-    chosen = torch.zeros(num_slots, n + 1, dtype=torch.long, device=device)  # depth >= 2: pair index
-    scores[0, :k] = lq[0] + 0.0  # depth 1: the slot's top tokens, already in (score, rank) order
-    for d in range(1, num_slots):
-        cand = scores[d - 1, pair_r] + lq_pairs[d]  # [M] parent score + token log-prob (NaN: none)
-        if sort_free:
-            cj, ci = cand[None, :], cand[:, None]  # [1, M] the others, [M, 1] the one ranked
-            rank = torch.where(before, cj >= ci, cj > ci).sum(dim=1)  # [M] NaN compares False: not counted
-            rank = torch.where(cand.isnan(), n, rank.clamp(max=n))
-            scores[d].index_put_((rank,), cand)  # ranks < n are distinct: a permutation of the top n
-            chosen[d].index_put_((rank,), cand_idx)
-        else:  # ascending on the negation: a stable sort puts NaN last
-            best = torch.sort(-cand, stable=True)
-            scores[d, :n] = -best.values[:n]
-            chosen[d, :n] = best.indices[:n]
-    top = scores[:, :n]  # [L, n] each row non-increasing
-    flat_idx = torch.arange(num_slots * n, device=device)  # [L·n] flat = depth·n + pos
-    if sort_free:
-        # entry (d, p) comes after the entries >= it of lists d' < d, the p before it in its own,
-        # and the entries > it of lists d' > d. Ascending rows for searchsorted (negation is exact); "no entry" (the rows' tails) as +inf,
-        # which searchsorted orders, and the counts are cut at each row's real entries
-        none = top.isnan()  # [L, n]
-        neg = torch.where(none, float("inf"), -top)  # [L, n] non-decreasing
-        real = (~none).sum(dim=1, keepdim=True)  # [L', 1]
-        queries = neg.reshape(1, num_slots * n).expand(num_slots, -1).contiguous()  # [L', L·n]
-        at_least = torch.searchsorted(neg, queries, right=True).minimum(real)  # #{row entries >= entry}
-        above = torch.searchsorted(neg, queries).minimum(real)  # [L', L·n] #{row entries > entry}
-        row = torch.arange(num_slots, device=device)[:, None]  # [L', 1]
-        depth_of, pos_of = flat_idx // n, flat_idx % n  # [L·n]
-        ahead = torch.where(row < depth_of, at_least, torch.where(row == depth_of, pos_of, above))
-        merged = torch.where(none.reshape(-1), n, ahead.sum(dim=0).clamp(max=n))  # [L·n]
-        order = torch.zeros(n + 1, dtype=torch.long, device=device)
-        order.index_put_((merged,), flat_idx)
-        flat = order[:n]  # [n] flat indices of the nodes, in build_tree's order
-    else:
-        flat = torch.sort(-top.reshape(-1), stable=True).indices[:n]  # [n] (NaN last)
+    lq = top_lp.double()  # [L, k]
+    scores = torch.full((num_slots, n), float("nan"), dtype=torch.float64, device=device)  # per-depth lists
+    chosen = torch.zeros(num_slots, n, dtype=torch.long, device=device)  # depth >= 2: index into the pairs
+    scores[0, : plan.k] = lq[0] + 0.0  # depth 1: the slot's top tokens, already in (score, rank) order
+    for d in range(1, num_slots):  # few kernels per depth: this loop is most of the build's time
+        cand = scores[d - 1, plan.pair_r] + lq[d, plan.pair_t]  # [M] parent score + token log-prob
+        best = torch.sort(-cand, stable=True)  # descending, NaN ("no entry") last
+        scores[d] = -best.values[:n]
+        chosen[d] = best.indices[:n]
+    flat = torch.sort(-scores.view(-1), stable=True).indices[:n]  # [n] flat = depth·n + pos
     depth0 = flat // n  # [n] 0-based depth
-    pair = chosen[depth0, flat % n]  # [n] (meaningless at depth 1)
-    rank_t = torch.where(depth0 == 0, flat, pair_t[pair])  # token rank in its slot (depth 1: pos)
+    pair = chosen.view(-1)[flat]  # [n] (meaningless at depth 1)
+    rank = torch.where(depth0 == 0, flat, plan.pair_t[pair])  # token rank in its slot (depth 1: pos)
     node_of_flat = torch.zeros(num_slots * n, dtype=torch.long, device=device)
-    node_of_flat[flat] = torch.arange(1, n + 1, device=device)  # 1-based node index of each entry
-    parent_flat = (depth0 - 1).clamp(min=0) * n + pair_r[pair]
+    node_of_flat[flat] = torch.arange(1, n + 1, device=device)  # 1-based node index of each selected entry
+    parent_flat = (depth0 - 1).clamp(min=0) * n + plan.pair_r[pair]
     parents = torch.where(depth0 == 0, torch.zeros_like(flat), node_of_flat[parent_flat])  # [n]
+    tokens = top_ids[depth0, rank]  # [n]
     zero = torch.zeros(1, dtype=torch.long, device=device)
-    return (
-        top_ids[depth0, rank_t],
-        torch.cat([zero, parents]),
-        torch.cat([zero, depth0 + 1]),
-        top[depth0, flat % n],
+    return DeviceTree(
+        tokens=tokens,
+        parents=torch.cat([zero, parents]),
+        depths=torch.cat([zero, depth0 + 1]),
+        log_probs=scores.view(-1)[flat],
     )
 
 
@@ -285,7 +207,6 @@ class FastEngine:
         max_len: int = 2048,
         max_budget: int = 512,
         cuda_graphs: bool | None = None,
-        compile_tree: bool | None = None,
     ) -> None:
         why = native_support_error(target)
         if why is not None:
@@ -298,10 +219,6 @@ class FastEngine:
         self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         if self.cuda_graphs and self.device.type != "cuda":
             raise ValueError("cuda_graphs=True needs a CUDA target")
-        # the DDTree build compiled (its graph's warm-up compiles it before the capture), by default
-        # wherever the phases are captured: eager it is ~14 depths × several small kernels
-        compile_tree = self.cuda_graphs if compile_tree is None else compile_tree
-        self.build_tree = compiled_tree_builder() if compile_tree else build_tree_device
         self.block = drafter.block_size if drafter is not None else 1
         self.max_budget = max_budget
         self.max_q = max(self.block, max_budget + 1 if drafter is not None else 1)
@@ -397,7 +314,7 @@ class FastEngine:
     def _tree_inputs(self, budget: int) -> None:
         t = self._treebuf(budget)
         b = self._qbuf(budget + 1)
-        tree = self.build_tree(self.draft_logits, t["plan"])
+        tree = build_tree_device(self.draft_logits, t["plan"])
         t["parents"].copy_(tree.parents)
         t["depths"].copy_(tree.depths)
         vis = visibility_device(
