@@ -227,6 +227,17 @@ def time_hf(target: TargetModel, prompts: list[list[int]], n_new: int, mode: str
     }
 
 
+def save(results: dict[str, Any], path: str, t_all: float) -> None:
+    """Write the JSON atomically (called after each stage), engine token lists cut to 32 per prompt."""
+    results["elapsed_s"] = time.perf_counter() - t_all
+    small = dict(results, engine=[dict(r, tokens=[t[:32] for t in r["tokens"]]) for r in results["engine"]])
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(small, indent=1))
+    os.replace(tmp, out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="default")
@@ -283,6 +294,7 @@ def main() -> None:
     log(
         f"shape costs (ms, median of {args.reps} graph replays): {json.dumps({k: round(v, 3) for k, v in results['shape_ms'].items()})}"
     )
+    save(results, args.out, t_all)  # what is measured so far survives a timeout in the baselines
     if not args.skip_hf and args.temperature == 0:  # the baselines are greedy
         hf_prompts = prompts[: args.hf_prompts]
         results["transformers_generate"] = []
@@ -290,8 +302,7 @@ def main() -> None:
             r = time_hf(target, hf_prompts, args.max_new_tokens, mode)
             results["transformers_generate"].append(r)
             log(f"transformers {mode}: {r}")
-    for r in results["engine"]:
-        r["tokens"] = [t[:32] for t in r["tokens"]]  # keep the JSON small
+            save(results, args.out, t_all)
     ar_ms = results["engine"][0]["ms_per_token"]
     log("\n| method | τ | ms/token | tok/s | speedup vs engine AR | round ms | overhead % |")
     log("|---|---|---|---|---|---|---|")
@@ -304,13 +315,8 @@ def main() -> None:
             log(
                 f"| transformers {r['mode']} | - | {r['ms_per_token']:.2f} | {r['tokens_per_s']:.0f} | {ar_ms / r['ms_per_token']:.2f}x | - | - |"
             )
-    results["elapsed_s"] = time.perf_counter() - t_all
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(results, indent=1))
-    os.replace(tmp, out)
-    log(f"wrote {out} in {results['elapsed_s']:.0f} s")
+    save(results, args.out, t_all)
+    log(f"wrote {args.out} in {results['elapsed_s']:.0f} s")
 
 
 if __name__ == "__main__":
