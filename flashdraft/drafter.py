@@ -367,7 +367,10 @@ class Attention(nn.Module):
 
             # under autocast the fp32-weight q/k norms return fp32 while v is bf16; flex needs one dtype
             q, k = q.to(v.dtype), k.to(v.dtype)
-            kernel = _FLEX_KERNEL or flex_attention
+            # inside a whole-model torch.compile, flex_attention is fused into that graph: the compiled kernel's
+            # global is not read there (torch 2.11 breaks the graph at `_FLEX_KERNEL or …` once
+            # compile_flex_attention() has run in the process, and the graph would guard on it)
+            kernel = flex_attention if torch.compiler.is_compiling() or _FLEX_KERNEL is None else _FLEX_KERNEL
             opts = flex_kernel_options(mask.BLOCK_SIZE)  # the mask's tile (plain ints: constant under compile)
             out = kernel(q, k, v, block_mask=mask, enable_gqa=self.n_heads != self.n_kv, kernel_options=opts)
         else:
