@@ -111,11 +111,13 @@ SIZES = {
 }
 
 
-# CPU without native bf16 (no AVX512-BF16 / AMX: bf16 is emulated there, slower than float32): the float32
-# sizes measured before bf16 — 13.2 minutes end to end, held-out chain τ 1.36 (benchmarks/RESULTS.md,
-# "Quickstart on the 2-core CPU (2026-12-03)", run 2); everything else as the bf16 preset.
+# CPU without native bf16 (no AVX512-BF16 / AMX: bf16 is emulated there, ~80× slower than float32): float32
+# sizes. On session 7's 2-core Zen 3 (AVX2 only) 800 steps / 7.5 min took 20.1 minutes end to end, idle
+# (data 362 s at 78 tok/s, features 74 s, train 460 s = 616 steps at the cap, eval 145 + 165 s; held-out
+# chain τ 1.40): 520 steps in at most 6.5 minutes finish the LR schedule inside the 20-minute budget
+# (benchmarks/RESULTS.md, "Quickstart on the 2-core CPU (session 7)"); everything else as the bf16 preset.
 SIZES["cpu-fp32"] = dataclasses.replace(
-    SIZES["cpu"], prompts=360, steps=800, train_minutes=7.5, dtype="float32"
+    SIZES["cpu"], prompts=360, steps=520, train_minutes=6.5, dtype="float32"
 )
 
 
