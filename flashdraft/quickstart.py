@@ -112,12 +112,13 @@ SIZES = {
 
 
 # CPU without native bf16 (no AVX512-BF16 / AMX: bf16 is emulated there, ~80× slower than float32): float32
-# sizes. On session 7's 2-core Zen 3 (AVX2 only) 800 steps / 7.5 min took 20.1 minutes end to end, idle
-# (data 362 s at 78 tok/s, features 74 s, train 460 s = 616 steps at the cap, eval 145 + 165 s; held-out
-# chain τ 1.40): 520 steps in at most 6.5 minutes finish the LR schedule inside the 20-minute budget
-# (benchmarks/RESULTS.md, "Quickstart on the 2-core CPU (session 7)"); everything else as the bf16 preset.
+# sizes. On session 7's 2-core Zen 3 (AVX2 only; its speed varied ~10% between runs) 360 prompts with 800
+# steps / 7.5 min took 20.1 minutes end to end, idle (data 362 s, features 74 s, train 460 s = 616 steps at
+# the cap, eval 145 + 165 s; held-out chain τ 1.40), and with 520 steps / 6.5 min 20.6 (data 402 s, 499 steps,
+# τ 1.36) — so 300 prompts and 460 steps in at most 6 minutes (benchmarks/RESULTS.md, "Quickstart on the
+# 2-core CPU (session 7)"); everything else as the bf16 preset.
 SIZES["cpu-fp32"] = dataclasses.replace(
-    SIZES["cpu"], prompts=360, steps=520, train_minutes=6.5, dtype="float32"
+    SIZES["cpu"], prompts=300, steps=460, train_minutes=6.0, dtype="float32"
 )
 
 
