@@ -115,8 +115,8 @@ SIZES = {
 # sizes. On session 7's 2-core Zen 3 (AVX2 only; its speed varied ~10% between runs) 360 prompts with 800
 # steps / 7.5 min took 20.1 minutes end to end, idle (data 362 s, features 74 s, train 460 s = 616 steps at
 # the cap, eval 145 + 165 s; held-out chain τ 1.40), and with 520 steps / 6.5 min 20.6 (data 402 s, 499 steps,
-# τ 1.36) — so 300 prompts and 460 steps in at most 6 minutes (benchmarks/RESULTS.md, "Quickstart on the
-# 2-core CPU (session 7)"); everything else as the bf16 preset.
+# τ 1.36) — so 300 prompts and 460 steps in at most 6 minutes: 17.3 minutes idle, all 460 steps, held-out
+# chain τ 1.35 (benchmarks/RESULTS.md, "Quickstart on the 2-core CPU (session 7)"); the rest as the bf16 preset.
 SIZES["cpu-fp32"] = dataclasses.replace(
     SIZES["cpu"], prompts=300, steps=460, train_minutes=6.0, dtype="float32"
 )
