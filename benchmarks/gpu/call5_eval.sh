@@ -4,8 +4,8 @@
 # held-out ShareGPT-40 at T=0 (budgets 8…512, top-8 streak), HumanEval-16 at T=1 — float32 target and
 # drafters, references by AR on the fast engine (flashdraft.eval.references). The target is the GGUF
 # dequantized to float32 (the weights the CPU evals used; the bf16 copy of env.sh rounds them).
-# Then optionally the decode speed of NEW (DECODE=1; its JSON is written at the end: session 7's 150 s
-# ran out in the transformers baselines, so only its printed lines came back — give it ≥ 240 s).
+# Then optionally the decode speed of NEW (DECODE=1; give it ≥ 240 s: session 7's 150 s ran out in the
+# transformers baselines — decode_speed.py now saves its JSON after each stage).
 #   OLD=models/smollm2-135m-instruct-dflash-b16 NEW=/root/work/drafter-bf16 bash benchmarks/gpu/call5_eval.sh
 # $OUT: evals.tgz (three report folders), eval.log, and decode_speed_t0.json when asked.
 set -uo pipefail
@@ -15,17 +15,7 @@ NEW=${NEW:-/root/work/drafter-bf16}
 HE=humaneval:/root/stage/HumanEval.jsonl.gz
 SG=benchmarks/results/h200-2026-12-02-s2/data_eval  # session 2's held-out split (hashes to eval: in no training set)
 F32=/root/work/smollm2-fp32
-if [ ! -f $F32/config.json ]; then
-  python3 - /root/stage/SmolLM2-135M-Instruct.Q4_1.gguf $F32 <<'PY'
-import sys, torch
-from flashdraft.target import load_target
-t = load_target(sys.argv[1], dtype=torch.float32, device="cpu")
-t.model.hf_quantizer, t.model.is_quantized = None, False
-if hasattr(t.model.config, "quantization_config"):
-    del t.model.config.quantization_config
-t.model.save_pretrained(sys.argv[2]); t.tokenizer.save_pretrained(sys.argv[2])
-PY
-fi
+[ -f $F32/config.json ] || python3 benchmarks/gpu/save_target.py /root/stage/SmolLM2-135M-Instruct.Q4_1.gguf $F32 float32
 E=/root/work/evals; mkdir -p $E
 ev() {  # name, then eval flags
   local name=$1; shift

@@ -13,16 +13,7 @@ have=$(ls /root/stage/*.gguf.part* 2>/dev/null | wc -l); want=$(cat /root/stage/
 echo "staged: $(ls /root/stage | tr '\n' ' '); GGUF parts $have / $want"
 if [ "$have" = "$want" ] && [ ! -f /root/work/smollm2-bf16/config.json ]; then
   (cd /root/stage && bash join-parts SmolLM2-135M-Instruct.Q4_1.gguf SmolLM2-135M-Instruct.Q4_1.gguf.part*) || exit 1
-  python3 - /root/stage/SmolLM2-135M-Instruct.Q4_1.gguf /root/work/smollm2-bf16 <<'PY'
-import sys, torch
-from flashdraft.target import load_target
-t = load_target(sys.argv[1], dtype=torch.bfloat16, device="cpu")
-# the GGUF weights are already dequantized into plain Linear layers; only the quantizer tag blocks saving
-t.model.hf_quantizer, t.model.is_quantized = None, False
-if hasattr(t.model.config, "quantization_config"):
-    del t.model.config.quantization_config
-t.model.save_pretrained(sys.argv[2]); t.tokenizer.save_pretrained(sys.argv[2])
-PY
+  python3 benchmarks/gpu/save_target.py /root/stage/SmolLM2-135M-Instruct.Q4_1.gguf /root/work/smollm2-bf16 bfloat16
   echo "target ready: /root/work/smollm2-bf16"
 fi
 if [ -n "${TESTS:-}" ]; then
