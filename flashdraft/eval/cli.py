@@ -77,6 +77,12 @@ def register(app: typer.Typer) -> None:
         ),
         server_model: str | None = typer.Option(None, help="model name on --server"),
         concurrency: int = typer.Option(8, help="--server requests in flight"),
+        ref_batch: int | None = typer.Option(
+            None,
+            "--ref-batch",
+            help="rows per batched greedy reference generation; 1 = exact single-sequence AR "
+            "(default: 16 on CPU, 1 on CUDA where the fast engine already does AR)",
+        ),
         cache_dir: Path | None = typer.Option(
             None, help="reference cache (default ~/.cache/flashdraft/references)"
         ),
@@ -95,6 +101,8 @@ def register(app: typer.Typer) -> None:
 
         if not drafter and watch is None:
             _fail("give --drafter PATH (repeatable) or --watch RUN_DIR")
+        if ref_batch is not None and ref_batch < 1:
+            _fail(f"--ref-batch {ref_batch} must be >= 1 (1 = exact single-sequence AR)")
         b_list, k_list = _ints(budgets, "--budgets"), _ints(topk, "--topk") if topk.strip() else []
         torch_dtype = _parse_dtype(dtype)
         resolved = []
@@ -120,7 +128,7 @@ def register(app: typer.Typer) -> None:
         srv = ServerConfig(server, server_model, concurrency) if server else None
         kwargs = dict(
             budgets=b_list, topk=k_list, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
-            cache_dir=cache_dir, server=srv, dataset=dataset, progress=progress,
+            cache_dir=cache_dir, server=srv, ref_batch=ref_batch, dataset=dataset, progress=progress,
         )  # fmt: skip
 
         if watch is not None:

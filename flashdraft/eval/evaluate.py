@@ -6,10 +6,11 @@
 
 The pipeline per prompt: the cached reference (references.py), one teacher-forced target pass
 shared by every drafter (the union of their layer ids), then each drafter's replay
-(offline.py). References from a server are checked against the local target's argmax and cut
-at the first disagreement; local greedy references are checked too, and any float near-tie
-divergence between the incremental and the teacher-forced pass is counted with its top-2
-margin, never hidden.
+(offline.py). References from a server or a padded batch (`ref_batch` > 1, the default on CPU) are
+not exact AR: they are checked against the local target's argmax and cut at the first
+disagreement; exact local AR references are checked too, and any float near-tie divergence
+between the incremental and the teacher-forced pass is counted with its top-2 margin, never
+hidden.
 """
 
 from __future__ import annotations
@@ -24,7 +25,14 @@ import torch
 from flashdraft.drafter import DFlashDrafter
 from flashdraft.eval.offline import ReplayItem, SampleResult, replay_batch, teacher_forced
 from flashdraft.eval.prompts import EvalPrompt
-from flashdraft.eval.references import Reference, ReferenceSettings, ServerConfig, compute_references
+from flashdraft.eval.references import (
+    Reference,
+    ReferenceSettings,
+    ServerConfig,
+    compute_references,
+    cut_at_disagreement,
+    default_ref_batch,
+)
 from flashdraft.eval.replay import Method, methods_for
 from flashdraft.target import TargetModel, check_pair
 
@@ -63,10 +71,10 @@ class ReferenceStats:
     computed: int
     cached: int
     seconds: float
-    checked: int  # positions compared with the teacher-forced argmax (T=0 only; server: up to the first miss)
+    checked: int  # positions compared with the teacher-forced argmax (T=0 only; server/batched: up to the first miss)
     agreed: int
     agreement_rate: float | None
-    truncated_samples: int  # server references cut at their first disagreement
+    truncated_samples: int  # server/batched references cut at their first disagreement
     divergences: list[dict[str, Any]] = field(default_factory=list)  # {"id", "index", "margin"}
 
 
@@ -148,7 +156,7 @@ def summarize(
 def _checked_item(
     target: TargetModel, ref: Reference, max_new_tokens: int, layer_ids: list[int], stats: ReferenceStats
 ) -> ReplayItem:
-    """The teacher-forced pass of one reference, its argmax check (and cut, for server references)."""
+    """The teacher-forced pass of one reference, its argmax check (and cut, for server/batched references)."""
     cont = ref.tokens[:max_new_tokens]
     p = len(ref.prompt_ids)
     t1 = time.perf_counter()
@@ -160,9 +168,9 @@ def _checked_item(
         # the target's argmax after position p+j−1 must be reference token j
         choice = tf.choice[p - 1 : p - 1 + len(cont)].tolist()
         agree = [c == r for c, r in zip(choice, cont, strict=True)]
-        cut = agree.index(False) if ref.source.startswith("server") and not all(agree) else None
+        cut = agree.index(False) if cut_at_disagreement(ref.source) and not all(agree) else None
         if cut is not None:
-            agree = agree[: cut + 1]  # past a disagreement the server's context is not the target's
+            agree = agree[: cut + 1]  # past a disagreement the reference's context is not the target's
         stats.checked += len(agree)
         stats.agreed += sum(agree)
         for j, ok in enumerate(agree):
@@ -190,6 +198,7 @@ def evaluate(
     references: list[Reference] | None = None,
     cache_dir: str | Path | None = None,
     server: ServerConfig | None = None,
+    ref_batch: int | None = None,  # rows per batched greedy reference generation (None: default_ref_batch)
     dataset: str = "",
     drafter_paths: dict[str, str] | None = None,
     progress: bool = True,
@@ -212,8 +221,9 @@ def evaluate(
     prompts = _as_prompts(prompts)
     if references is None:
         settings = ReferenceSettings(max_new_tokens, temperature, seed, stop_token_ids)
+        batch = ref_batch if ref_batch is not None else default_ref_batch(target.device)
         rs = compute_references(
-            target, prompts, settings, cache_dir=cache_dir, server=server, progress=progress
+            target, prompts, settings, cache_dir=cache_dir, server=server, progress=progress, batch_size=batch
         )
         refs, computed, cached, ref_s = rs.references, rs.computed, rs.cached, rs.seconds
     else:

@@ -90,7 +90,7 @@ def markdown_table(report: EvalReport) -> str:
     ref = r.references
     if ref.agreement_rate is not None:
         lines += ["", f"Reference vs teacher-forced argmax: {ref.agreed}/{ref.checked} agree "
-                  f"({100 * ref.agreement_rate:.2f}%), {ref.truncated_samples} server references cut at the first "
+                  f"({100 * ref.agreement_rate:.2f}%), {ref.truncated_samples} server/batched references cut at the first "
                   f"disagreement, {len(ref.divergences)} divergences."]  # fmt: skip
     for note in r.notes:
         lines.append(f"\n_{note}_")

@@ -41,11 +41,28 @@ def test_eval_side_by_side_writes_reports(setup: dict[str, Path]) -> None:
     assert set(rep["drafters"]) == {"d1", "d2"}
     assert rep["methods"] == ["chain", "ddtree-2", "ddtree-4", "ddtree-8", "topk-2", "topk-4"]
     assert rep["max_new_tokens"] == 12 and rep["template"].startswith("token ids")
+    assert rep["references"]["source"] == "local-batched"  # the default on CPU (--ref-batch 16)
     md = (out / "report.md").read_text()
     assert "| d1 |" in md and "| d2 |" in md and "top-k streak" in md
+    assert "server/batched references cut at the first disagreement" in md
     for png in ("report_tau.png", "report_slots.png", "report_histogram.png"):
         assert (out / png).stat().st_size > 5000
     assert "| drafter | chain | ddtree-2" in r.output
+
+
+def test_eval_ref_batch(setup: dict[str, Path]) -> None:
+    """--ref-batch 1 gives exact single-sequence AR references; < 1 is refused with the fix."""
+    out = setup["root"] / "out-ar"
+    base = [
+        "eval", "--target", str(setup["target"]), "--drafter", str(setup["root"] / "d1"),
+        "--dataset", str(setup["prompts"]), "--max-new-tokens", "6", "--budgets", "2", "--topk", "",
+        "--dtype", "float64", "--out", str(out), "--cache-dir", str(setup["root"] / "cache"), "--no-progress",
+    ]  # fmt: skip
+    r = CliRunner().invoke(app, [*base, "--ref-batch", "1"])
+    assert r.exit_code == 0, r.output
+    assert json.loads((out / "report.json").read_text())["references"]["source"] == "local"
+    r = CliRunner().invoke(app, [*base, "--ref-batch", "0"])
+    assert r.exit_code == 2 and "--ref-batch 0 must be >= 1" in r.output
 
 
 def test_eval_rejects_bad_pair(setup: dict[str, Path]) -> None:

@@ -1,4 +1,4 @@
-"""Reference cache (a second call runs no target) and server references checked against the target."""
+"""Reference cache (a second call runs no target); server and batched references checked against the target."""
 
 from __future__ import annotations
 
@@ -144,15 +144,94 @@ def test_server_client_error_is_not_retried(tmp_path) -> None:
     assert len(calls) == 1
 
 
-def test_batched_greedy_references_match_single(tmp_path) -> None:
+MIXED = [
+    EvalPrompt("a", [3, 7, 9], "token ids"),
+    EvalPrompt("b", [5, 6, 7, 8, 9, 10, 11, 12, 13], "token ids"),
+    EvalPrompt("c", [12, 40, 41, 8, 30], "token ids"),
+    EvalPrompt("d", [22, 5], "token ids"),
+    EvalPrompt("e", [60, 61, 62, 63, 64, 65, 66], "token ids"),
+]
+
+
+def _early_stop(target, prompts: list[EvalPrompt], n: int) -> int:  # type: ignore[no-untyped-def]
+    """A stop token that one prompt's greedy continuation emits early and another's never does."""
+    free = [
+        generate(target, None, p.input_ids, max_new_tokens=n, method="ar", stop_token_ids=[]).tokens
+        for p in prompts
+    ]
+    for row in free:
+        for t in row[2:6]:
+            if any(t not in other for other in free):
+                return t
+    raise AssertionError("no stop token separates the prompts: change MIXED")
+
+
+def test_batched_greedy_references_match_single(tmp_path, family, monkeypatch) -> None:
+    """Batched references (flashdraft's padded greedy loop, prompts of 2..9 tokens in two batches) are
+    the single-prompt AR references token for token in float64, stop token and stop_reason included."""
+    target = tiny_target(family)
+    stop = _early_stop(target, MIXED, 14)
+    s = ReferenceSettings(max_new_tokens=14, stop_token_ids=[stop])
+    one = compute_references(target, MIXED, s, cache_dir=tmp_path, progress=False).references
+    reasons = {r.stop_reason for r in one}
+    assert reasons == {"stop", "length"}, "the test needs a row that stops early and one that runs to the end"
+    assert any(r.stop_reason == "stop" and len(r.tokens) < 14 and r.tokens[-1] == stop for r in one)
+    assert any(r.stop_reason == "length" and len(r.tokens) == 14 for r in one)
+    calls = _count_forwards(target, monkeypatch)
+    many = compute_references(target, MIXED, s, cache_dir=tmp_path, progress=False, batch_size=3).references
+    assert 0 < calls[0] <= 2 * 14, "two batches of flashdraft's loop: a prefill + a forward per token"
+    assert [r.tokens for r in many] == [r.tokens for r in one]
+    assert [r.stop_reason for r in many] == [r.stop_reason for r in one]
+    assert [r.id for r in many] == [p.id for p in MIXED]
+    assert {r.source for r in many} == {"local-batched"} and {r.source for r in one} == {"local"}
+
+
+def test_batched_references_have_their_own_cache_key(tmp_path) -> None:
+    """The source is in the key: batched references never answer for exact AR ones (nor the reverse);
+    at T>0 batch_size is ignored (seeded single-prompt samples)."""
+    target = tiny_target("llama")
+    s = ReferenceSettings(max_new_tokens=6, stop_token_ids=[])
+    many = compute_references(target, PROMPTS, s, cache_dir=tmp_path, progress=False, batch_size=4)
+    one = compute_references(target, PROMPTS, s, cache_dir=tmp_path, progress=False)
+    assert many.computed == 3 and one.computed == 3 and one.cached == 0
+    assert not {r.key for r in many.references} & {r.key for r in one.references}
+    again = compute_references(target, PROMPTS, s, cache_dir=tmp_path, progress=False, batch_size=4)
+    assert again.cached == 3 and [r.key for r in again.references] == [r.key for r in many.references]
+    sampled = compute_references(
+        target, PROMPTS, ReferenceSettings(6, 1.0, 0, []), cache_dir=tmp_path, progress=False, batch_size=4
+    )
+    assert {r.source for r in sampled.references} == {"local"}
+
+
+def test_batched_references_cut_at_first_disagreement(tmp_path) -> None:
+    """A local-batched reference is not exact AR: like a server's, evaluate cuts it at its first
+    disagreement with the teacher-forced argmax (a near-tie flip of the padded batch, simulated here)."""
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target)
+    refs = compute_references(
+        target, PROMPTS, ReferenceSettings(16, stop_token_ids=[]), cache_dir=tmp_path, progress=False,
+        batch_size=3,
+    ).references  # fmt: skip
+    assert {r.source for r in refs} == {"local-batched"}
+    refs[1].tokens[5] = (refs[1].tokens[5] + 1) % 97
+    report = evaluate(
+        target, {"d": drafter}, PROMPTS, budgets=[4], topk=2, max_new_tokens=16, references=refs, progress=False
+    )  # fmt: skip
+    st = report.references
+    assert st.source == "local-batched" and st.truncated_samples == 1
+    assert st.tokens == 16 + 5 + 16  # the changed prompt keeps the 5 tokens before the disagreement
+    assert st.checked == 16 + 6 + 16 and st.agreed == 37  # compared up to the first disagreement
+    assert [(d["id"], d["index"]) for d in st.divergences] == [("p1", 5)]
+    assert [x["tokens"] for x in report.drafters["d"].per_sample] == [16, 5, 16]
+
+
+def test_evaluate_ref_batch(tmp_path) -> None:
+    """evaluate's ref_batch picks the producer: None = batched on a CPU target, 1 = exact AR."""
     target = tiny_target("qwen3")
-    prompts = [*PROMPTS, EvalPrompt("long", [5, 6, 7, 8, 9, 10, 11, 12, 13], "token ids")]
-    s = ReferenceSettings(max_new_tokens=14, stop_token_ids=[4])
-    one = compute_references(target, prompts, s, cache_dir=tmp_path, progress=False)
-    many = compute_references(target, prompts, s, cache_dir=tmp_path, progress=False, batch_size=3)
-    assert many.computed == len(prompts)  # a different source ("local-batched"), a different cache key
-    assert [r.tokens for r in many.references] == [r.tokens for r in one.references]
-    assert {r.source for r in many.references} == {"local-batched"}
+    drafter = tiny_drafter(target)
+    kw = dict(budgets=[4], topk=None, max_new_tokens=8, cache_dir=tmp_path, progress=False)
+    assert evaluate(target, {"d": drafter}, PROMPTS, **kw).references.source == "local-batched"
+    assert evaluate(target, {"d": drafter}, PROMPTS, ref_batch=1, **kw).references.source == "local"
 
 
 def test_local_divergences_are_counted_not_cut(tmp_path) -> None:
