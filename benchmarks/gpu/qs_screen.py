@@ -1,0 +1,177 @@
+"""Screen the CPU quickstart's training recipe on the H200 (issue 6), as the CPU would run it.
+
+    python3 benchmarks/gpu/qs_screen.py --prompts .stage/qs --budget-s 520 --out $OUT
+
+The quickstart (`flashdraft quickstart`, preset `cpu-fp32`) trains a 4-layer b4 drafter for a few hundred steps
+on a few hundred regenerated answers; which recipe gives the best held-out τ at its sizes does not depend on the
+device, only the minutes do. This regenerates the quickstart's data on the GPU (the same prompt lists, float32
+target, 96 new tokens), dumps the layer-15 features, trains each variant with the quickstart's own
+`train_overrides` in float32 with the CPU's code paths (eager drafter, dense mask, the log_softmax loss), several
+variants at a time, and evaluates all of them side by side in one `flashdraft eval` on the largest set's held-out
+split (the split is a hash of the conversation, so it is held out from every smaller set too).
+
+Every variant is `name: (prompts, steps, [key=value ...])` in VARIANTS; the prompt list is carried in `--prompts`
+as `p3000.jsonl.gz` (`flashdraft.quickstart.write_first_turns(path, 3000)`, gzipped; its first N lines are
+`write_first_turns(path, N)`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gzip
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from flashdraft.quickstart import CONFIG, SIZES, train_overrides  # noqa: E402
+
+# name -> (prompts, steps, extra overrides); "base" is the cpu-fp32 preset as committed
+VARIANTS: dict[str, tuple[int, int, list[str]]] = {
+    "base": (300, 460, []),
+    "base-seed1": (300, 460, ["runtime.seed=1"]),
+    "lr6e-3": (300, 460, ["optim.lr=0.006"]),
+    "lr2.5e-3": (300, 460, ["optim.lr=0.0025"]),
+    "gamma0.5": (300, 460, ["loss.gamma=0.5"]),
+    "wd0.1": (300, 460, ["optim.weight_decay=0.1"]),
+    "fnoise0.1": (300, 460, ["loss.feature_noise=0.1"]),
+    "enoise0.1": (300, 460, ["loss.embedding_noise=0.1"]),
+    "anchors32-230": (300, 230, ["data.max_anchors=32", "checkpoint.every=230"]),
+    "b3": (300, 460, ["model.block_size=3"]),
+    "b3-690": (300, 690, ["model.block_size=3", "checkpoint.every=690"]),
+    "layers2": (300, 460, ["model.num_layers=2"]),
+    "d600": (600, 460, []),
+    "d600-700": (600, 700, ["checkpoint.every=700"]),
+    "d1500-1400": (1500, 1400, ["checkpoint.every=1400"]),
+    # the same CPU minutes spent differently: 2 layers and b3 cost ~half a step of the preset's 4 layers and b4
+    # (its step: ~half the lm_head CE over 3 labelled slots, ~half the drafter body over 4 slots)
+    "l2b3-1500": (300, 1500, ["model.num_layers=2", "model.block_size=3", "checkpoint.every=1500"]),
+    "d450-l2b3-1000": (450, 1000, ["model.num_layers=2", "model.block_size=3", "checkpoint.every=1000"]),
+    "d600-l2b3-600": (600, 600, ["model.num_layers=2", "model.block_size=3", "checkpoint.every=600"]),
+    "d450-l2b3-1000-seed1": (
+        450,
+        1000,
+        ["model.num_layers=2", "model.block_size=3", "checkpoint.every=1000", "runtime.seed=1"],
+    ),
+    "d600-l2b3-900": (600, 900, ["model.num_layers=2", "model.block_size=3", "checkpoint.every=900"]),
+    "d450-l1b3-1300": (450, 1300, ["model.num_layers=1", "model.block_size=3", "checkpoint.every=1300"]),
+    "d450-l2b4-800": (450, 800, ["model.num_layers=2", "checkpoint.every=800"]),
+    "d450-l4b3-700": (450, 700, ["model.block_size=3", "checkpoint.every=700"]),
+    # what more compute buys (the bf16 preset's size and beyond)
+    "d1500-l2b3-2800": (1500, 2800, ["model.num_layers=2", "model.block_size=3", "checkpoint.every=2800"]),
+    "d3000-3000": (3000, 3000, ["checkpoint.every=3000"]),
+}
+
+
+def sh(args: list[str], log: Path) -> int:
+    with log.open("a") as f:
+        f.write("$ " + " ".join(args) + "\n")
+        f.flush()
+        return subprocess.call(args, stdout=f, stderr=subprocess.STDOUT)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--target", default="/root/work/smollm2-fp32")
+    ap.add_argument("--prompts", type=Path, default=Path(".stage/qs"))
+    ap.add_argument("--work", type=Path, default=Path("/root/work/qs"))
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--budget-s", type=float, default=520.0, help="the whole screen, eval included")
+    ap.add_argument("--eval-s", type=float, default=150.0, help="kept for the eval at the end")
+    ap.add_argument("--contamination", default="humaneval:/root/stage/HumanEval.jsonl.gz")
+    ap.add_argument("--parallel", type=int, default=5)
+    ap.add_argument("--eval-prompts", type=int, default=60)
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    a = ap.parse_args()
+    t0 = time.time()
+    a.work.mkdir(parents=True, exist_ok=True)
+    a.out.mkdir(parents=True, exist_ok=True)
+    log = a.out / "screen.log"
+    fd = [sys.executable, "-m", "flashdraft.cli"]
+    names = [n for n in a.variants.split(",") if n]
+    sizes_needed = sorted({VARIANTS[n][0] for n in names} | {max(VARIANTS[n][0] for n in names)})
+    base = SIZES["cpu-fp32"]
+    for n in sizes_needed:  # the quickstart's data and features commands, on the GPU in float32
+        data, feats = a.work / f"d{n}", a.work / f"f{n}"
+        if not (data / "manifest.json").is_file():
+            with gzip.open(
+                a.prompts / "p3000.jsonl.gz", "rt"
+            ) as f:  # the first N lines = write_first_turns(N)
+                (a.work / f"p{n}.jsonl").write_text("".join(f.readlines()[:n]))
+            sh([*fd, "data", "regenerate", "--target", a.target, "--input", f"prompts:{a.work}/p{n}.jsonl",
+                "--max-new-tokens", str(base.max_new_tokens), "--batch-size", "512", "--max-length", str(base.max_length),
+                "--block-size", str(base.block_size), "--eval-fraction", "0.1", "--device", "cuda", "--dtype", "float32",
+                "--engine", "native", "--contamination", a.contamination, "--out", str(data)], log)  # fmt: skip
+        if not (feats / "manifest.json").is_file():
+            sh([*fd, "features", "dump", "--target", a.target, "--dataset", str(data), "--out", str(feats),
+                "--layers", ",".join(map(str, base.target_layer_ids or [])), "--max-length", str(base.max_length),
+                "--token-budget", str(base.token_budget), "--dtype", "float32", "--target-dtype", "float32",
+                "--device", "cuda", "--yes"], log)  # fmt: skip
+    print(f"data + features: {time.time() - t0:.0f} s", flush=True)
+
+    # the CPU's code paths: eager drafter, dense bool mask, log_softmax CE, float32 target head
+    cpu_like = ["runtime.compile=none", "runtime.attention=dense", "loss.fused_ce=false",
+                f"model.target={a.target}", "model.target_dtype=float32"]  # fmt: skip
+
+    def ran(name: str) -> bool:
+        return any((a.work / "runs" / name / "checkpoints").glob("step-*"))
+
+    queue = [n for n in names if not ran(n)]  # a rerun on a warm machine trains only the new variants
+    running: dict[str, tuple[subprocess.Popen, float, Any]] = {}
+    done: dict[str, float] = {}
+    deadline = t0 + a.budget_s - a.eval_s
+    while queue or running:
+        while queue and len(running) < a.parallel and time.time() < deadline - 30:
+            name = queue.pop(0)
+            n, steps, extra = VARIANTS[name]
+            sizes = dataclasses.replace(base, steps=steps, train_minutes=None)
+            run = a.work / "runs" / name
+            args = [*fd, "train", str(CONFIG),
+                    *train_overrides(sizes, run, a.work / f"d{n}", a.work / f"f{n}", "cuda"), *cpu_like, *extra]  # fmt: skip
+            f = (a.out / f"train-{name}.log").open("w")
+            f.write("$ " + " ".join(args) + "\n")
+            f.flush()
+            running[name] = (subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT), time.time(), f)
+        for name, (p, ts, f) in list(running.items()):
+            if p.poll() is None and time.time() > deadline:
+                p.kill()
+                p.wait()
+                print(f"{name}: killed at the deadline", flush=True)
+            elif p.poll() is not None:
+                done[name] = time.time() - ts
+                print(f"{name}: exit {p.returncode} in {done[name]:.0f} s", flush=True)
+            else:
+                continue
+            f.close()
+            del running[name]
+        if not running and queue and time.time() >= deadline - 30:
+            print(f"skipped for time: {queue}", flush=True)
+            queue = []
+        time.sleep(1)
+
+    drafters = [a.work / "runs" / n for n in names if ran(n)]
+    biggest = max(VARIANTS[n][0] for n in names)
+    cmd = [*fd, "eval", "--target", a.target, "--dataset", str(a.work / f"d{biggest}"),
+           "--limit", str(a.eval_prompts), "--max-new-tokens", str(base.eval_tokens), "--budgets", "8,32",
+           "--device", "cuda", "--dtype", "float32", "--no-progress", "--out", str(a.out / "eval")]  # fmt: skip
+    for d in drafters:
+        cmd += ["--drafter", str(d)]
+    rc = sh(cmd, log)
+    print(f"eval exit {rc}; total {time.time() - t0:.0f} s", flush=True)
+    summary = {"train_s": done, "variants": {n: VARIANTS[n] for n in names}, "total_s": time.time() - t0}
+    (a.out / "screen.json").write_text(json.dumps(summary, indent=1))
+    for name in names:  # the last training metrics line: training slot accuracies next to held-out τ
+        m = a.work / "runs" / name / "metrics.jsonl"
+        if m.is_file():
+            last = m.read_text().strip().splitlines()[-1]
+            with (a.out / "last_metrics.jsonl").open("a") as f:
+                f.write(json.dumps({"variant": name, **json.loads(last)}) + "\n")
+
+
+if __name__ == "__main__":
+    main()
