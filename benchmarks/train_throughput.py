@@ -146,7 +146,9 @@ def main() -> None:
                     help="as runtime.compile_mode: default, reduce-overhead (CUDA graphs), max-autotune-no-cudagraphs")  # fmt: skip
     ap.add_argument("--fused-ce", action="store_true", help="loss.fused_ce=true: the two-pass CE chunk")
     ap.add_argument("--chunk-tokens", type=int, default=4096, help="as loss.chunk_tokens")
-    ap.add_argument("--flex-block", default="128,128", help="as runtime.flex_block_size: the BlockMask's Q,KV tile")
+    ap.add_argument(
+        "--flex-block", default="128,128", help="as runtime.flex_block_size: the BlockMask's Q,KV tile"
+    )
     ap.add_argument("--peak-tflops", type=float, default=790.0, help="bf16 ceiling of the device (H200: 790)")
     ap.add_argument("--queue-depth", type=int, default=0, help="> 0: online pipeline with this queue depth")
     ap.add_argument("--target-device", default="same", help="the target's device (pipeline), e.g. cuda:0")
@@ -206,7 +208,9 @@ def main() -> None:
         source = QueuedSource(source, depth=args.queue_depth, device=device, source_device=target_device)
     heads = target if target_device == device else FrozenHeads(target, device)
     attention = "flex" if device.type == "cuda" else "dense"
-    model: Any = compile_parts(drafter, cfg.runtime.compile_parts, device, attention, cfg.runtime.compile_mode)
+    model: Any = compile_parts(
+        drafter, cfg.runtime.compile_parts, device, attention, cfg.runtime.compile_mode
+    )
     run_dir = tempfile.mkdtemp(prefix="train-throughput-")
     trainer = Trainer(
         cfg, heads, drafter, source, run_dir=run_dir, model=model,
@@ -290,6 +294,11 @@ def main() -> None:
         "block_padding_fraction": 1 - tot["block_tokens"] / tot["padded_block_tokens"],
         "drafter_tflops_per_s": tot["flops"] / tot["drafter_s"] / 1e12,
         "drafter_mfu": mfu,
+        # per timed step: the mean hides drift (session 8: 25 timed steps gave 85-90 ms, 50 steps 108 ms)
+        "drafter_ms_per_step": [round(1e3 * r["drafter_s"], 2) for r in rows],
+        "drafter_mfu_per_step": [
+            round(r["flops"] / r["drafter_s"] / (args.peak_tflops * 1e12), 4) for r in rows
+        ],
         # the same seeds, data and anchors in every run: a lever that changes the maths shows up here
         "loss_first_step": float(step_losses[0]),
         "loss_last_step": float(step_losses[-1]),

@@ -1,6 +1,6 @@
 """`flashdraft quickstart`: the whole loop on the embedded default target, with flashdraft's own commands.
 
-    flashdraft quickstart                       # CPU, about 17 minutes on 2 cores (measured)
+    flashdraft quickstart                       # CPU, 14–17 minutes on 2 cores (measured)
     flashdraft quickstart --device cuda         # larger sizes on a GPU
 
 Stages (each one a real `flashdraft` command, printed before it runs, with its own progress bar):
@@ -112,14 +112,19 @@ SIZES = {
 
 
 # CPU without native bf16 (no AVX512-BF16 / AMX: bf16 is emulated there, ~80× slower than float32): float32
-# sizes. On session 7's 2-core Zen 3 (AVX2 only; its speed varied ~10% between runs) 360 prompts with 800
-# steps / 7.5 min took 20.1 minutes end to end, idle (data 362 s, features 74 s, train 460 s = 616 steps at
-# the cap, eval 145 + 165 s; held-out chain τ 1.40), and with 520 steps / 6.5 min 20.6 (data 402 s, 499 steps,
-# τ 1.36) — so 300 prompts and 460 steps in at most 6 minutes: 17.3 minutes idle, all 460 steps, held-out
-# chain τ 1.35 (benchmarks/RESULTS.md, "Quickstart on the 2-core CPU (session 7)"); the rest as the bf16 preset.
+# sizes, a 2-layer b3 drafter (target layers 16–17). Screened on the H200 as the CPU runs it (benchmarks/RESULTS.md,
+# "H200 session 8": 60 held-out prompts): at equal steps 2 layers and b3 lose nothing against 4 layers and b4,
+# and a step costs half as much on the CPU (0.32 s vs 0.67 s on session 8's 2-core Zen 3), so the same training
+# minutes buy ~1,000 steps; with 450 prompts that gave held-out chain τ 1.385 / 1.375 (two seeds) against 1.285
+# for session 7's 300 prompts × 460 steps of the 4-layer b4 drafter. No other knob (lr, γ, weight decay,
+# feature / embedding noise, anchors) moved τ beyond the seed noise there. Batches of 32 rows regenerate
+# faster than 64 on that CPU (the same 140 prompts: 125 s against 154 and 180 s; 24 rows 127 s, 16 rows 168 s).
+# End to end on that CPU, idle, empty cache: 14.2 minutes (data 360 s, features 75 s, train 310 s = all 1,000
+# steps, eval 55 + 51 s with batched references), held-out chain τ 1.38 (12 prompts; DDTree-8 1.63).
 SIZES["cpu-fp32"] = dataclasses.replace(
-    SIZES["cpu"], prompts=300, steps=460, train_minutes=6.0, dtype="float32"
-)
+    SIZES["cpu"], prompts=450, regen_batch=32, layers=2, block_size=3, steps=1000, train_minutes=6.0,
+    dtype="float32",
+)  # fmt: skip
 
 
 def cpu_has_native_bf16() -> bool:
