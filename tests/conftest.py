@@ -9,6 +9,14 @@ from flashdraft.drafter import DFlashDrafter
 from flashdraft.target import TargetModel, drafter_config_for
 
 
+@pytest.fixture(autouse=True)
+def _wide_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
+    """typer's error panels (rich) wrap at the terminal width, 80 columns when output is not a terminal: in a
+    clean-clone CI run a long pytest tmp path split the message a CLI test matched. Every test (and every
+    CliRunner in it) sees a wide terminal; pytest's own output keeps the real width."""
+    monkeypatch.setenv("COLUMNS", "1000")
+
+
 def tiny_target(
     family: str = "llama",
     *,

@@ -97,19 +97,22 @@ for v in variants:
     j, rc = work / f"{v}.json", work / f"{v}.rc"
     if not j.exists():
         status = "skipped" if not rc.exists() else f"failed (exit {rc.read_text().strip()})"
-        rows.append(f"| {v} | {status} | | | | | | |")
+        rows.append(f"| {v} | {status} | | | | | | | |")
         continue
     r = json.loads(j.read_text())
     results[v] = r
     peak = r["peak_memory_gib"]
+    per = r.get("drafter_ms_per_step") or []
+    third = max(1, len(per) // 3)  # the drift over the timed steps: first third / last third, median ms
+    drift = f"{sorted(per[:third])[third // 2]:.1f} / {sorted(per[-third:])[third // 2]:.1f}" if per else "-"
     rows.append(
-        f"| {v} | ok | {1e3 * r['drafter_s']:.1f} | {1e3 * r['step_s']:.1f} | {100 * r['drafter_mfu']:.2f}% "
+        f"| {v} | ok | {1e3 * r['drafter_s']:.1f} | {drift} | {1e3 * r['step_s']:.1f} | {100 * r['drafter_mfu']:.2f}% "
         f"| {r['drafter_tflops_per_s']:.1f} | {'%.2f' % peak if peak is not None else '-'} "
         f"| {r['loss_first_step']:.4f} / {r['loss_last_step']:.4f} |"
     )
 base = results.get("base")
-table = ["| variant | status | drafter step ms | full step ms | drafter MFU | TFLOP/s | peak GiB | loss first / last step |",
-         "|---|---|---:|---:|---:|---:|---:|---:|", *rows]
+table = ["| variant | status | drafter step ms | first / last third ms | full step ms | drafter MFU | TFLOP/s | peak GiB | loss first / last step |",
+         "|---|---|---:|---:|---:|---:|---:|---:|---:|", *rows]
 if base:
     table.append("")
     table += [f"{v}: drafter step {r['drafter_s'] / base['drafter_s']:.3f}x base" for v, r in results.items() if v != "base"]
