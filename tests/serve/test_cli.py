@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from flashdraft.cli import app
 from tests.conftest import tiny_drafter, tiny_target
 
-runner = CliRunner(env={"COLUMNS": "1000"})  # rich wraps error panels at 80 columns: a long tmp path split the message
+runner = CliRunner()
 
 
 def test_serve_and_export_are_registered() -> None:
