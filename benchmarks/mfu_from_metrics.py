@@ -1,4 +1,4 @@
-"""Drafter-step throughput and a lower bound on MFU from a training run's metrics.jsonl.
+"""Drafter-step throughput and MFU from a training run's metrics.jsonl.
 
     python benchmarks/mfu_from_metrics.py benchmarks/results/h200-2026-12-02/train_metrics.jsonl \
         --params 19361152 --hidden 576 --vocab 49152 --block-size 16 --from-step 20 --last-run
@@ -6,6 +6,10 @@
 FLOPs counted: 6 × trainable drafter parameters × block tokens + 4 × H × V × block tokens (the
 frozen lm_head: forward and input gradient). Attention FLOPs are left out, so this is a lower
 bound on the issue's MFU; benchmarks/train_throughput.py counts them exactly.
+
+Runs that logged `model_tflops_per_s` (the trainer counts the issue's FLOPs, attention included:
+flashdraft/train/flops.py) also get its mean and the MFU from it (against --peak-tflops); it is
+rank 0's device under torchrun. Older files print the lower bound only.
 """
 
 from __future__ import annotations
@@ -36,13 +40,19 @@ def main() -> None:
     mean = lambda k: statistics.mean(r[k] for r in rows)  # noqa: E731
     block_tok = mean("anchors_per_s") * a.block_size
     flops = (6 * a.params + 4 * a.hidden * a.vocab) * block_tok
-    print("| steps | target tok/s | anchors/s | block tok/s | step s | consumer wait (max) | peak alloc GB | TFLOP/s (no attn) | MFU lower bound |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    print(
+    head = "| steps | target tok/s | anchors/s | block tok/s | step s | consumer wait (max) | peak alloc GB | TFLOP/s (no attn) | MFU lower bound |"
+    line = (
         f"| {rows[0]['step']}–{rows[-1]['step']} | {mean('tokens_per_s'):,.0f} | {mean('anchors_per_s'):,.0f} | "
         f"{block_tok:,.0f} | {mean('step_time_s'):.3f} | {max(r.get('pipeline/consumer_wait_frac', 0) for r in rows):.4%} | "
         f"{max(r.get('cuda/peak_allocated_gb', 0) for r in rows):.1f} | {flops / 1e12:.1f} | {flops / (a.peak_tflops * 1e12):.1%} |"
     )
+    if all(isinstance(r.get("model_tflops_per_s"), (int, float)) for r in rows):  # logged by the trainer
+        model = mean("model_tflops_per_s")
+        head += " model TFLOP/s (with attn) | MFU |"
+        line += f" {model:.1f} | {model / a.peak_tflops:.1%} |"
+    print(head)
+    print("|---" * (head.count("|") - 1) + "|")
+    print(line)
 
 
 if __name__ == "__main__":

@@ -11,11 +11,10 @@ with a device sync around the target pass and around the drafter step so the spl
 (the trainer itself does not sync there). Reported:
 
 - target tokens/s: packed target tokens per second of (target + drafter) time;
-- drafter-step MFU: model FLOPs / drafter-step time / peak, where model FLOPs =
-  6 × trainable drafter params × block tokens + 4 × H × V × block tokens (frozen lm_head:
-  forward and input gradient) + attention FLOPs over unmasked query–key pairs only
-  (12 × layers × heads × head_dim per pair: QKᵀ and PV, forward and backward);
-  block tokens count valid blocks only (padding blocks are overhead, not model work);
+- drafter-step MFU: model FLOPs / drafter-step time / peak, model FLOPs counted as the trainer
+  counts them (`flashdraft.train.flops.step_flops`: parameters, frozen lm_head and attention over
+  unmasked query–key pairs, valid blocks only); the trainer's own `mfu` divides by the whole
+  interval's wall time instead (target and waits included);
 - time split target / drafter, peak memory (CUDA allocator).
 
 With `--queue-depth N` the target runs in the pipeline's producer thread (its own CUDA
@@ -44,8 +43,8 @@ import torch
 from random_targets import SHAPES, random_target  # benchmarks/ (the script folder)
 
 from flashdraft.config import load_config
-from flashdraft.train.blocks import DraftBatch
 from flashdraft.train.config import TrainConfig
+from flashdraft.train.flops import block_tokens, step_flops
 from flashdraft.train.launch import build_drafter, compile_parts, resolve_precision
 from flashdraft.train.metrics import MetricsLogger
 from flashdraft.train.pipeline import FrozenHeads, QueuedSource, resolve_target_device
@@ -72,12 +71,6 @@ def synthetic_docs(
             Doc(f"s{i}", rng.integers(0, vocab, length), np.r_[np.zeros(p, bool), np.ones(length - p, bool)])
         )
     return docs
-
-
-def attention_pairs(d: DraftBatch) -> int:
-    """Unmasked query–key pairs of valid blocks: B × (a − doc_start) context + B × B in-block."""
-    ctx = ((d.anchors - d.doc_start) * d.valid).sum().item()
-    return int(d.block_size * ctx + d.block_size * d.block_size * d.valid.sum().item())
 
 
 def sync(device: torch.device) -> None:
@@ -217,7 +210,7 @@ def main() -> None:
         logger=MetricsLogger(run_dir, enabled=False), device=device, compute_dtype=prec.compute, attention=attention,
     )  # fmt: skip
     hcfg = drafter.config
-    params = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
+    params = trainer.trainable_params
     batches = iter(source)
     rows = []
     step_losses = []  # device scalars, read after the timed loop: variants must train alike (same seeds)
@@ -240,22 +233,15 @@ def main() -> None:
             source.take_stats()  # pipeline stats cover the timed steps only
         if i < args.warmup_steps:
             continue
-        block_tokens = sum(int(d.valid.sum()) * d.block_size for d in drafts)
-        pairs = sum(attention_pairs(d) for d in drafts)
-        flops = (
-            6 * params * block_tokens
-            + 4 * hcfg.hidden_size * target.vocab_size * block_tokens
-            + 12 * hcfg.num_hidden_layers * hcfg.num_attention_heads * hcfg.head_dim * pairs
-        )
         rows.append(
             {
                 "target_s": t1 - t0,
                 "drafter_s": t2 - t1,
                 "tokens": sum(fb.num_tokens for fb in micro),
                 "padded_tokens": sum(fb.input_ids.numel() for fb in micro),
-                "block_tokens": block_tokens,
+                "block_tokens": sum(block_tokens(d) for d in drafts),
                 "padded_block_tokens": sum(d.block_ids.numel() for d in drafts),
-                "flops": flops,
+                "flops": step_flops(drafts, hcfg, params),
             }
         )
     if args.profile:

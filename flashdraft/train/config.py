@@ -152,6 +152,9 @@ class TelemetryConfig:
     wandb_project: str | None = None  # Weights & Biases when set (needs `wandb`; never required)
     progress: bool = True  # a tqdm bar on stderr
     gpu: bool = True  # on CUDA: NVML (util, power, temperature) and allocator stats in every line
+    # dense bf16 TFLOP/s of one device (H200: 790 measured): every line then has mfu = model_tflops_per_s / this.
+    # None: no mfu (the ceiling depends on the device and dtype; not guessed)
+    peak_tflops: float | None = None
 
 
 @dataclass
@@ -235,6 +238,12 @@ class TrainConfig:
             raise ConfigError("checkpoint.every and checkpoint.keep_last must be >= 1")
         if self.telemetry.log_every < 1:
             raise ConfigError(f"telemetry.log_every {self.telemetry.log_every} must be >= 1")
+        peak = self.telemetry.peak_tflops
+        if peak is not None and not peak > 0:
+            raise ConfigError(
+                f"telemetry.peak_tflops {peak} must be > 0: one device's dense bf16 TFLOP/s "
+                "(e.g. 790 for an H200), or unset it for no mfu"
+            )
         p = self.pipeline
         if p.mode not in ("online", "offline"):
             raise ConfigError(f"pipeline.mode {p.mode!r}: use online or offline")

@@ -232,7 +232,8 @@ class DistributedTrainer(Trainer):
         """All-reduce the interval's per-rank sums, then log as one process would."""
         for t in (iv.loss_sum, iv.slot_correct, iv.slot_count, iv.streak_sum, iv.blocks):
             dist.all_reduce(t)  # per-rank shares of global quantities (loss: local Σw·CE / global Σw)
-        # grad_norm, good/bad steps are already global (gradients are all-reduced before the norm)
+        # grad_norm, good/bad steps are already global (gradients are all-reduced before the norm);
+        # iv.flops stays this rank's own: model_tflops_per_s and mfu are per device
         counts = torch.tensor([iv.tokens, iv.anchors, self.tokens_seen], dtype=torch.int64)
         dist.all_reduce(counts, group=self.ctx.control)
         iv.tokens, iv.anchors = int(counts[0]), int(counts[1])

@@ -51,6 +51,8 @@ class RunSummary:
     last: dict[str, Any]  # the last metrics line
     step_time_s: float | None  # mean over the last logged lines
     tokens_per_s: float | None
+    model_tflops_per_s: float | None = None  # mean over the last logged lines (rank 0's device)
+    mfu: float | None = None  # likewise, when the run set telemetry.peak_tflops
     checkpoints: list[CheckpointInfo] = field(default_factory=list)
     last_eval: dict[str, Any] | None = None
     updated: float | None = None  # unix time of the newest metrics line
@@ -80,6 +82,12 @@ def is_run(path: Path) -> bool:
     return path.is_dir() and any((path / n).exists() for n in ("config.yaml", "metrics.jsonl", "checkpoints"))
 
 
+def _recent_mean(metrics: list[dict[str, Any]], key: str) -> float | None:
+    """Mean of `key` over the last 10 logged lines that have it (None: none has)."""
+    v = [m[key] for m in metrics[-10:] if isinstance(m.get(key), (int, float))]
+    return sum(v) / len(v) if v else None
+
+
 def summarize(run: str | os.PathLike[str]) -> RunSummary:
     run = Path(run)
     if not is_run(run):
@@ -87,9 +95,6 @@ def summarize(run: str | os.PathLike[str]) -> RunSummary:
     cfg, digest = _read_config(run)
     metrics = read_metrics(run)
     last = metrics[-1] if metrics else {}
-    recent = [m for m in metrics[-10:] if isinstance(m.get("step_time_s"), (int, float))]
-    step_time = sum(m["step_time_s"] for m in recent) / len(recent) if recent else None
-    tps = [m["tokens_per_s"] for m in metrics[-10:] if isinstance(m.get("tokens_per_s"), (int, float))]
     evals = {int(e["step"]): e for e in read_jsonl(run / "eval" / "log.jsonl") if "step" in e}
     ckpts = [CheckpointInfo(p, step_of(p), evals.get(step_of(p))) for p in list_checkpoints(run)]
     state: dict[str, Any] = {}
@@ -108,7 +113,8 @@ def summarize(run: str | os.PathLike[str]) -> RunSummary:
         path=run, config_digest=digest, config=cfg if isinstance(cfg, dict) else {},
         command=command[-1] if command else "-", step=step, total_steps=int(total) if total else None,
         epoch=last.get("epoch", state.get("epoch")), tokens_seen=last.get("tokens_seen", state.get("tokens_seen")),
-        last=last, step_time_s=step_time, tokens_per_s=sum(tps) / len(tps) if tps else None,
+        last=last, step_time_s=_recent_mean(metrics, "step_time_s"), tokens_per_s=_recent_mean(metrics, "tokens_per_s"),
+        model_tflops_per_s=_recent_mean(metrics, "model_tflops_per_s"), mfu=_recent_mean(metrics, "mfu"),
         checkpoints=ckpts, last_eval=evals[max(evals)] if evals else None,
         updated=last.get("time") if metrics else None,
     )  # fmt: skip
@@ -175,6 +181,20 @@ def list_runs(root: str | os.PathLike[str]) -> list[str]:
     return lines
 
 
+def _model_flops_line(s: RunSummary) -> list[str]:
+    """The model FLOP/s line, or none for runs logged before the trainer counted model FLOPs."""
+    if s.model_tflops_per_s is None:
+        return []
+    if s.mfu is not None:
+        peak = (s.config.get("telemetry") or {}).get("peak_tflops")
+        mfu = f"MFU {s.mfu:.1%} of {_num(peak, 'g')} TFLOP/s peak"
+    else:
+        mfu = "MFU - (set telemetry.peak_tflops)"
+    return [
+        f"- model {_num(s.model_tflops_per_s, '.3g')} TFLOP/s per device (rank 0, attention included); {mfu}"
+    ]
+
+
 def status_markdown(s: RunSummary, now: float | None = None) -> str:
     now = time.time() if now is None else now
     cfg = s.config
@@ -200,6 +220,7 @@ def status_markdown(s: RunSummary, now: float | None = None) -> str:
         f"tokens seen {_num(s.tokens_seen, ',') if isinstance(s.tokens_seen, int) else _num(s.tokens_seen)}",
         f"- last update {_duration(now - s.updated) + ' ago' if s.updated else '-'}",
         f"- throughput {_num(s.tokens_per_s, ',.0f')} target tokens/s; {_num(s.step_time_s, '.3f')} s/step",
+        *_model_flops_line(s),
         f"- ETA {_duration(s.eta_s)}",
         "",
         "## Last metrics (step " + str(last.get("step", "-")) + ")",

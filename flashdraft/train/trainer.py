@@ -39,6 +39,7 @@ from flashdraft.train.checkpoint import (
     step_of,
 )
 from flashdraft.train.config import TrainConfig, fused_ce_on
+from flashdraft.train.flops import step_flops, trainable_params
 from flashdraft.train.loss import loss_denominator, slot_weights
 from flashdraft.train.metrics import MetricsLogger
 from flashdraft.train.source import FeatureSource
@@ -107,6 +108,7 @@ class Interval:
         self.steps = 0
         self.tokens = 0  # host ints: known from the CPU-side batches, no sync
         self.anchors = 0
+        self.flops = 0  # model FLOPs (flashdraft/train/flops.py), from the CPU-side blocks
         self.start = time.perf_counter()
 
 
@@ -151,6 +153,9 @@ class Trainer:
         self.noise = NoiseSettings(cfg.loss.feature_noise, cfg.loss.embedding_noise)
         self.anchor_sampler = AnchorSampler(cfg.runtime.seed * 1_000_003 + rank)
         params = [p for p in drafter.parameters() if p.requires_grad]
+        # the full count on every rank: `drafter` is the module itself (FSDP2 shards it in place into
+        # DTensors, whose numel() is global), never a DDP or compile wrapper
+        self.trainable_params = trainable_params(drafter)
         o = cfg.optim
         self.optimizer = torch.optim.AdamW(
             params, lr=o.lr, betas=(o.betas[0], o.betas[1]), weight_decay=o.weight_decay, fused=True
@@ -319,6 +324,7 @@ class Trainer:
                 drafts_cpu.append(build_blocks(fb, anchors, self.block_size, self.mask_token_id))
             # ≥ 1 whenever any slot has a label
             denom = loss_denominator(drafts_cpu, self.weights).clamp_min(1.0)
+            interval.flops += step_flops(drafts_cpu, self.drafter.config, self.trainable_params)
         lr = self.schedule(self.step)
         for g in self.optimizer.param_groups:
             g["lr"] = lr
@@ -376,8 +382,10 @@ class Trainer:
 
     def _log(self, iv: Interval, bar: Any) -> dict[str, Any]:
         """Read the interval's device sums (the one host sync), log them, apply the NaN guard."""
+        good = float(iv.good_steps)  # host sync: every step of the interval has finished on the device
+        # the interval's wall time, read after that sync (the host may run steps ahead of the device): all the
+        # trainer spent since the last log, waits for features and checkpoint writes included
         elapsed = max(time.perf_counter() - iv.start, 1e-9)
-        good = float(iv.good_steps)
         bad = int(iv.bad_steps)
         count = iv.slot_count.clamp_min(1)
         slot_acc = (iv.slot_correct / count).tolist()[1:]  # slots 1..B−1 (slot 0 has no label)
@@ -393,9 +401,16 @@ class Trainer:
             "tokens_per_s": iv.tokens / elapsed,
             "anchors_per_s": iv.anchors / elapsed,
             "step_time_s": elapsed / max(iv.steps, 1),
+            # model FLOPs over the same wall time (incl. waiting), so a run-level figure, below the drafter-step
+            # MFU of benchmarks/train_throughput.py. Per rank: unlike tokens_per_s, not all-reduced under
+            # torchrun (rank 0 logs its own), as telemetry.peak_tflops is one device's
+            "model_tflops_per_s": iv.flops / elapsed / 1e12,
             "tokens_seen": self.tokens_seen,
             "skipped_steps": bad,
         }
+        peak = self.cfg.telemetry.peak_tflops
+        if peak is not None:
+            values["mfu"] = values["model_tflops_per_s"] / peak  # this rank's device
         self.logger.log(self.step, values)
         if bar is not None:
             bar.set_postfix(loss=f"{values['loss']:.3f}", tau=f"{values['tau_proxy']:.2f}", refresh=False)

@@ -53,6 +53,15 @@ def _free_port() -> int:
             return port
 
 
+def _record_params(path: Path):  # noqa: ANN202
+    """on_step_end hook: the trainer's trainable parameter count (model FLOPs) and whether its drafter is sharded."""
+
+    def record(trainer, _step: int) -> None:  # noqa: ANN001
+        path.write_text(f"{trainer.trainable_params} {int(trainer.sharded)}")
+
+    return record
+
+
 def _worker(rank: int, root: str, ports: list[int]) -> None:
     from flashdraft.train.launch import train
 
@@ -62,7 +71,8 @@ def _worker(rank: int, root: str, ports: list[int]) -> None:
     docs = make_docs(LENGTHS, seed=0)
     for i, (name, strategy) in enumerate([("ddp", "ddp"), ("fsdp2", "fsdp2")]):
         os.environ["MASTER_PORT"] = str(ports[i])
-        train(_cfg(Path(root) / name, [f"distributed.strategy={strategy}"]), target=t, samples=docs)
+        cfg = _cfg(Path(root) / name, [f"distributed.strategy={strategy}"])
+        train(cfg, target=t, samples=docs, on_step_end=_record_params(Path(root) / f"params-{name}-{rank}"))
     # resume: drop the last checkpoint, continue from step 2 (rank 0 deletes before anyone starts)
     for i, strategy in enumerate(["ddp", "fsdp2"]):
         run = Path(root) / strategy
@@ -103,6 +113,11 @@ def test_two_gloo_ranks_equal_one_process_with_the_same_global_batch(tmp_path):
             assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4), (name, a["step"])
             assert b["tokens_seen"] == a["tokens_seen"]  # logged globally, not rank 0's share
             assert b["acc"] == pytest.approx(a["acc"], abs=1e-9)
+        # every rank counts the whole drafter for model FLOPs (FSDP2: not its shard)
+        full = sum(p.numel() for p in ref_w.parameters())
+        sharded = int(name == "fsdp2")
+        for rank in (0, 1):
+            assert (tmp_path / f"params-{name}-{rank}").read_text() == f"{full} {sharded}", (name, rank)
         # rank 0 wrote plain DFlash checkpoints (FSDP2: gathered full weights)
         assert [p.name for p in list_checkpoints(tmp_path / name)] == ["step-00000002", "step-00000004"]
         w = DFlashDrafter.from_pretrained(tmp_path / name / "checkpoints" / f"step-{STEPS:08d}" / "drafter")

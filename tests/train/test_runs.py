@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from flashdraft.cli import app
 from flashdraft.config import load_config
 from flashdraft.train.config import TrainConfig
 from flashdraft.train.launch import train
-from flashdraft.train.runs import RunError, archive_run, list_runs, summarize
+from flashdraft.train.runs import RunError, archive_run, list_runs, status_markdown, summarize
 from tests.conftest import tiny_target
 from tests.train.helpers import make_docs
 
@@ -66,6 +67,20 @@ def test_status_prints_and_writes_markdown(run):
         assert part in md, part
     r = CliRunner().invoke(app, ["runs", "status", str(run / "not-a-run")])
     assert r.exit_code == 1 and "not a run folder" in r.output
+
+
+def test_status_shows_model_flops_and_mfu_when_logged(run):
+    s = summarize(run / "alpha")  # trained without telemetry.peak_tflops: model FLOP/s, no mfu
+    assert s.model_tflops_per_s > 0 and s.mfu is None
+    md = status_markdown(s)
+    assert "TFLOP/s per device (rank 0, attention included); MFU - (set telemetry.peak_tflops)" in md
+    cfg = {**s.config, "telemetry": {**s.config["telemetry"], "peak_tflops": 790.0}}
+    md = status_markdown(replace(s, model_tflops_per_s=213.3, mfu=0.27, config=cfg))
+    line = "- model 213 TFLOP/s per device (rank 0, attention included); MFU 27.0% of 790 TFLOP/s peak\n"
+    assert line in md
+    # a run logged before the trainer counted model FLOPs: no line
+    md = status_markdown(replace(s, model_tflops_per_s=None, mfu=None))
+    assert "TFLOP/s" not in md and "- throughput" in md
 
 
 def test_archive_moves_the_run_aside(run, tmp_path):

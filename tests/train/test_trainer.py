@@ -17,12 +17,14 @@ import torch
 from flashdraft.config import ConfigError, load_config
 from flashdraft.drafter import DFlashDrafter
 from flashdraft.train import trainer as trainer_mod
+from flashdraft.train.blocks import DraftBatch
 from flashdraft.train.checkpoint import latest_checkpoint, list_checkpoints, prune_checkpoints
 from flashdraft.train.config import TrainConfig
+from flashdraft.train.flops import step_flops
 from flashdraft.train.launch import build_drafter, train
 from flashdraft.train.metrics import read_metrics
 from flashdraft.train.source import InProcessSource
-from flashdraft.train.trainer import LRSchedule, Trainer, TrainingError
+from flashdraft.train.trainer import Interval, LRSchedule, Trainer, TrainingError
 from tests.conftest import tiny_target
 from tests.train.helpers import make_docs
 
@@ -102,7 +104,6 @@ def test_sigusr1_writes_a_checkpoint_at_the_next_step(tmp_path):
     assert signal.getsignal(signal.SIGUSR1) == handler_before
 
 
-
 def test_time_limit_stops_with_a_checkpoint_and_resume_continues(tmp_path):
     tr = make_trainer(tmp_path, ["optim.max_steps=5", "checkpoint.every=1000", "runtime.time_limit_min=1e-6"])
     res = tr.run()
@@ -178,6 +179,41 @@ def test_gradient_accumulation_matches_one_big_batch(tmp_path):
     la, lb = read_metrics(tmp_path / "a" / "run")[0], read_metrics(tmp_path / "b" / "run")[0]
     assert la["loss"] == pytest.approx(lb["loss"], rel=1e-5)
     assert la["grad_norm"] == pytest.approx(lb["grad_norm"], rel=1e-4)
+
+
+def _run_recording_drafts(tmp_path: Path, overrides: list[str]) -> tuple[Trainer, list[list[DraftBatch]]]:
+    """Run a trainer; also return each optimizer step's blocks (what optimizer_step hands back)."""
+    tr = make_trainer(tmp_path, overrides)
+    per_step: list[list[DraftBatch]] = []
+    step = tr.optimizer_step
+
+    def recording(micro: list[object], iv: Interval) -> list[DraftBatch]:
+        per_step.append(step(micro, iv))
+        return per_step[-1]
+
+    tr.optimizer_step = recording  # type: ignore[method-assign]
+    tr.run()
+    return tr, per_step
+
+
+def test_metrics_carry_model_flops_and_mfu_only_with_a_peak(tmp_path):
+    """Each line's model_tflops_per_s × its wall time is the step's FLOP count (log_every=1: step_time_s is
+    the interval's wall time), summed over both micro-batches; mfu only when telemetry.peak_tflops is set."""
+    for name, extra in (("peak", ["telemetry.peak_tflops=0.5"]), ("no-peak", [])):
+        tr, per_step = _run_recording_drafts(
+            tmp_path / name, ["optim.max_steps=3", "optim.grad_accum=2", *extra]
+        )
+        assert tr.trainable_params == sum(p.numel() for p in tr.drafter.parameters()) > 0
+        lines = read_metrics(tmp_path / name / "run")
+        assert [len(d) for d in per_step] == [2, 2, 2] and len(lines) == 3
+        for m, drafts in zip(lines, per_step, strict=True):
+            flops = step_flops(drafts, tr.drafter.config, tr.trainable_params)
+            assert m["model_tflops_per_s"] > 0
+            assert m["model_tflops_per_s"] * 1e12 * m["step_time_s"] == pytest.approx(flops, rel=1e-9)
+            if extra:
+                assert m["mfu"] == pytest.approx(m["model_tflops_per_s"] / 0.5, rel=1e-12)
+            else:
+                assert "mfu" not in m
 
 
 def test_static_shapes_give_the_same_losses_as_dynamic_shapes(tmp_path, monkeypatch):
@@ -296,7 +332,9 @@ def test_drafter_started_from_the_target_trains(tmp_path):
     start = {k: v.clone() for k, v in d.state_dict().items()}
     assert tr.run().steps == 12
     assert all(torch.isfinite(v).all() for v in d.state_dict().values())
-    assert not torch.equal(start["layers.0.mlp.down_proj.weight"], d.state_dict()["layers.0.mlp.down_proj.weight"])
+    assert not torch.equal(
+        start["layers.0.mlp.down_proj.weight"], d.state_dict()["layers.0.mlp.down_proj.weight"]
+    )
     losses = [r["loss"] for r in read_metrics(tmp_path / "run")]
     assert len(losses) == 12 and sum(losses[-3:]) < sum(losses[:3])
 
