@@ -19,5 +19,5 @@ fi
 if [ -n "${TESTS:-}" ]; then
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
-  timeout ${TEST_SECONDS:-240} python3 -m pytest -q -m gpu $TESTS -p no:cacheprovider 2>&1 | tee $OUT/gpu_tests.log | tail -25
+  timeout ${TEST_SECONDS:-240} python3 -m pytest -q -rs -m gpu $TESTS -p no:cacheprovider 2>&1 | tee $OUT/gpu_tests.log | tail -25
 fi
