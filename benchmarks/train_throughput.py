@@ -15,7 +15,12 @@ with a device sync around the target pass and around the drafter step so the spl
   counts them (`flashdraft.train.flops.step_flops`: parameters, frozen lm_head and attention over
   unmasked query–key pairs, valid blocks only); the trainer's own `mfu` divides by the whole
   interval's wall time instead (target and waits included);
-- time split target / drafter, peak memory (CUDA allocator).
+- time split target / drafter, peak memory (CUDA allocator);
+- per timed step, inside the drafter-step window: the host's pauses in Python's cyclic GC
+  (`gc_ms_per_step`, the highest generation collected in `gc_max_generation_per_step`) and the
+  host time spent sampling anchors and building blocks (`host_blocks_ms_per_step`). `--gc-every N`
+  applies the trainer's runtime.gc_every policy (`flashdraft.train.gc_policy`) to the steps;
+  unset, the config default.
 
 With `--queue-depth N` the target runs in the pipeline's producer thread (its own CUDA
 stream, `flashdraft.train.pipeline.QueuedSource`), N batches ahead, as `flashdraft train`
@@ -30,6 +35,7 @@ mask) unless `--dataset` names a flashdraft dataset: throughput depends on lengt
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import tempfile
@@ -43,8 +49,10 @@ import torch
 from random_targets import SHAPES, random_target  # benchmarks/ (the script folder)
 
 from flashdraft.config import load_config
+from flashdraft.train import trainer as trainer_module
 from flashdraft.train.config import TrainConfig
 from flashdraft.train.flops import block_tokens, step_flops
+from flashdraft.train.gc_policy import GCPolicy
 from flashdraft.train.launch import build_drafter, compile_parts, resolve_precision
 from flashdraft.train.metrics import MetricsLogger
 from flashdraft.train.pipeline import FrozenHeads, QueuedSource, resolve_target_device
@@ -81,6 +89,57 @@ def sync(device: torch.device) -> None:
 def sync_stream(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
+
+
+class GCPauses:
+    """Host time inside Python's cyclic GC (`gc.callbacks`), summed until `take()`; collections per generation."""
+
+    def __init__(self) -> None:
+        self.ms = 0.0
+        self.max_gen: int | None = None
+        self.by_gen: dict[int, list[float]] = {}  # generation -> [collections, ms] over the whole run
+        self._t0 = 0.0
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+            return
+        ms = 1e3 * (time.perf_counter() - self._t0)
+        g = info["generation"]
+        self.ms += ms
+        self.max_gen = g if self.max_gen is None else max(self.max_gen, g)
+        n_ms = self.by_gen.setdefault(g, [0, 0.0])
+        n_ms[0] += 1
+        n_ms[1] += ms
+
+    def take(self) -> tuple[float, int | None]:
+        out = (self.ms, self.max_gen)
+        self.ms, self.max_gen = 0.0, None
+        return out
+
+
+class HostBlockTimer:
+    """Wall time of the trainer's host-side block building (anchor sampling + build_blocks), summed until
+    `take()`: wraps the trainer's sampler and the trainer module's build_blocks (this process only)."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.s = 0.0
+        trainer.anchor_sampler.sample = self._timed(trainer.anchor_sampler.sample)  # type: ignore[method-assign]
+        trainer_module.build_blocks = self._timed(trainer_module.build_blocks)  # type: ignore[assignment]
+
+    def _timed(self, fn: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.s += time.perf_counter() - t0
+
+        return timed
+
+    def take(self) -> float:
+        out, self.s = self.s, 0.0
+        return out
 
 
 def profile_steps(
@@ -145,6 +204,9 @@ def main() -> None:
     ap.add_argument("--peak-tflops", type=float, default=790.0, help="bf16 ceiling of the device (H200: 790)")
     ap.add_argument("--queue-depth", type=int, default=0, help="> 0: online pipeline with this queue depth")
     ap.add_argument("--target-device", default="same", help="the target's device (pipeline), e.g. cuda:0")
+    ap.add_argument("--gc-every", type=int, default=None,
+                    help="as runtime.gc_every: 0 = automatic GC, N > 0 = GC off, gc.collect(1) every N steps "
+                         "(unset: the config default)")  # fmt: skip
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--profile", type=int, default=0,
                     help="profile this many optimizer steps after the timed ones: print the top kernels / ops")  # fmt: skip
@@ -163,7 +225,8 @@ def main() -> None:
          f"optim.max_steps={args.steps + args.warmup_steps}", f"runtime.device={device}",
          f"runtime.compile={args.compile}", "data.dataset=<benchmark>", "telemetry.progress=false",
          f"runtime.compile_mode={args.compile_mode}", f"loss.fused_ce={str(args.fused_ce).lower()}",
-         f"loss.chunk_tokens={args.chunk_tokens}", f"runtime.flex_block_size=[{args.flex_block}]"],
+         f"loss.chunk_tokens={args.chunk_tokens}", f"runtime.flex_block_size=[{args.flex_block}]",
+         *([f"runtime.gc_every={args.gc_every}"] if args.gc_every is not None else [])],
     )  # fmt: skip
     prec = resolve_precision(cfg, device)
     target_device = resolve_target_device(args.target_device, device)
@@ -218,35 +281,47 @@ def main() -> None:
         torch.cuda.reset_peak_memory_stats(device)
     # queued: sync the trainer's stream only (a device-wide sync would wait for the producer too)
     wait = (lambda: sync_stream(device)) if queued else (lambda: sync(device))  # noqa: E731
-    for i in range(args.warmup_steps + args.steps):
-        wait()
-        t0 = time.perf_counter()
-        micro = [next(batches) for _ in range(args.grad_accum)]
-        wait()
-        t1 = time.perf_counter()
-        iv = Interval(hcfg.block_size, device)
-        drafts = trainer.optimizer_step(micro, iv)
-        step_losses.append(iv.loss_sum)
-        wait()
-        t2 = time.perf_counter()
-        if i == args.warmup_steps - 1 and queued:
-            source.take_stats()  # pipeline stats cover the timed steps only
-        if i < args.warmup_steps:
-            continue
-        rows.append(
-            {
-                "target_s": t1 - t0,
-                "drafter_s": t2 - t1,
-                "tokens": sum(fb.num_tokens for fb in micro),
-                "padded_tokens": sum(fb.input_ids.numel() for fb in micro),
-                "block_tokens": sum(block_tokens(d) for d in drafts),
-                "padded_block_tokens": sum(d.block_ids.numel() for d in drafts),
-                "flops": step_flops(drafts, hcfg, params),
-            }
-        )
+    gc_pauses, host_blocks = GCPauses(), HostBlockTimer(trainer)
+    gc.callbacks.append(gc_pauses)
+    # as Trainer.run applies runtime.gc_every (warm-up steps included: the run compiles inside it too)
+    with GCPolicy(cfg.runtime.gc_every) as gc_policy:
+        for i in range(args.warmup_steps + args.steps):
+            wait()
+            t0 = time.perf_counter()
+            micro = [next(batches) for _ in range(args.grad_accum)]
+            wait()
+            t1 = time.perf_counter()
+            gc_pauses.take()  # the drafter-step window starts here: drop what came before
+            host_blocks.take()
+            iv = Interval(hcfg.block_size, device)
+            drafts = trainer.optimizer_step(micro, iv)
+            gc_policy.step(i + 1)  # where Trainer.run collects: after the step is queued, before any sync
+            step_losses.append(iv.loss_sum)
+            wait()
+            t2 = time.perf_counter()
+            gc_ms, gc_gen = gc_pauses.take()
+            if i == args.warmup_steps - 1 and queued:
+                source.take_stats()  # pipeline stats cover the timed steps only
+            if i < args.warmup_steps:
+                continue
+            rows.append(
+                {
+                    "target_s": t1 - t0,
+                    "drafter_s": t2 - t1,
+                    "gc_ms": gc_ms,
+                    "gc_gen": gc_gen,
+                    "host_blocks_s": host_blocks.take(),
+                    "tokens": sum(fb.num_tokens for fb in micro),
+                    "padded_tokens": sum(fb.input_ids.numel() for fb in micro),
+                    "block_tokens": sum(block_tokens(d) for d in drafts),
+                    "padded_block_tokens": sum(d.block_ids.numel() for d in drafts),
+                    "flops": step_flops(drafts, hcfg, params),
+                }
+            )
+    gc.callbacks.remove(gc_pauses)
     if args.profile:
         profile_steps(trainer, batches, args.profile, args.grad_accum, device, hcfg.block_size)
-    tot = {k: sum(r[k] for r in rows) for k in rows[0]}
+    tot = {k: sum(r[k] for r in rows) for k in rows[0] if k != "gc_gen"}
     step_s = tot["target_s"] + tot["drafter_s"]
     mfu = tot["flops"] / tot["drafter_s"] / (args.peak_tflops * 1e12)
     result = {
@@ -285,6 +360,14 @@ def main() -> None:
         "drafter_mfu_per_step": [
             round(r["flops"] / r["drafter_s"] / (args.peak_tflops * 1e12), 4) for r in rows
         ],
+        # the host inside each drafter-step window: cyclic GC pauses (issue 5's slow-step hypothesis) and block
+        # building (anchors + build_blocks); the highest GC generation collected there, null for none
+        "gc_every": cfg.runtime.gc_every,
+        "gc_ms_per_step": [round(r["gc_ms"], 2) for r in rows],
+        "gc_max_generation_per_step": [r["gc_gen"] for r in rows],
+        # every collection in the process, warm-up and target pass included: generation -> [count, ms]
+        "gc_collections": {str(g): [n, round(ms, 2)] for g, (n, ms) in sorted(gc_pauses.by_gen.items())},
+        "host_blocks_ms_per_step": [round(1e3 * r["host_blocks_s"], 2) for r in rows],
         # the same seeds, data and anchors in every run: a lever that changes the maths shows up here
         "loss_first_step": float(step_losses[0]),
         "loss_last_step": float(step_losses[-1]),

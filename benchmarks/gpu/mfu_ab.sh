@@ -16,11 +16,16 @@
 #   flex128x64 --flex-block 128,64 (same caveat)
 #   cgraph    --compile-mode reduce-overhead the compiled drafter replayed as CUDA graphs
 #   all       fused + chunk8k
+#   allgc     all + --gc-every 50 (runtime.gc_every's default): automatic GC off, gc.collect(1) every 50 steps
+#             (issue 5's slow steps, session 9: 11 of 60 at 146-181 ms, a host GC pause while the GPU idles?)
 #   allcg     all + cgraph
+# Every variant runs with --gc-every 0 (Python's automatic GC, as sessions 5-9 measured) unless it sets its own.
 # PROFILE_VARIANT (default all) adds `--profile 2`: its top kernels land in the log.
 # Outputs: $OUT/mfu_ab.json (every variant's train_throughput JSON), $OUT/mfu_ab.log (every log),
-# $OUT/mfu_ab_table.txt. Wall: at most TOTAL_S (240) — the first variant compiles cold, the others reuse the
-# inductor cache where their graph is the same; order = priority (later ones are skipped when time runs out).
+# $OUT/mfu_ab_table.txt ("slow steps": timed steps over 1.3 × the variant's median; "gc ms (max)": the host's
+# cyclic-GC pauses inside the drafter-step windows, summed over the timed steps, and the most in one step).
+# Wall: at most TOTAL_S (240) — the first variant compiles cold, the others reuse the inductor cache where
+# their graph is the same; order = priority (later ones are skipped when time runs out).
 set -uo pipefail
 [ -f benchmarks/gpu/env.sh ] && [ -z "${DRY:-}" ] && source benchmarks/gpu/env.sh
 export PYTHONUNBUFFERED=1
@@ -29,7 +34,7 @@ PY=${PY:-python3}
 OUT=${OUT:-/tmp/mfu_ab_out}
 mkdir -p "$OUT"
 WORK=$(mktemp -d /tmp/mfu_ab.XXXXXX)
-VARIANTS=${VARIANTS:-"base fused all cgraph allcg flex64 chunk8k"}
+VARIANTS=${VARIANTS:-"base fused all allgc cgraph allcg flex64 chunk8k"}
 TOTAL_S=${TOTAL_S:-240}              # the whole A/B: a variant gets at most what is left of this ...
 VARIANT_TIMEOUT_S=${VARIANT_TIMEOUT_S:-150}  # ... and at most this (the first compiles cold)
 MIN_S=${MIN_S:-35}                  # no variant starts with less than this left (a warm-cache run needs ~30 s)
@@ -37,7 +42,7 @@ MIN_S=${MIN_S:-35}                  # no variant starts with less than this left
 if [ -n "${DRY:-}" ]; then
   # CPU: eager drafter and loss, dense mask (compile and flex apply on CUDA only): checks the plumbing, flags
   # and the table; 16 blocks a row keep the tiny steps short
-  BASE=(--device cpu --tiny --steps 2 --warmup-steps 1 --compile model,loss --blocks-per-row 16)
+  BASE=(--device cpu --tiny --steps 2 --warmup-steps 1 --compile model,loss --blocks-per-row 16 --gc-every 0)
 else
   # session 5's target: the bf16 HF copy (~2 s a load); not env.sh's GGUF fallback (~20-40 s a load, per variant)
   T=${MFU_TARGET:-/root/work/smollm2-bf16}
@@ -47,7 +52,8 @@ else
   fi
   # session 5 timed 12 steps after 5 warm-up ones; session 6 found that too few: the same code measured
   # 318 ms a drafter step after 5 warm-up steps and 146 ms after 15 (benchmarks/RESULTS.md, H200 session 6)
-  BASE=(--target "$T" --steps ${STEPS:-25} --warmup-steps ${WARMUP:-15} --compile model,loss --blocks-per-row 1024)
+  BASE=(--target "$T" --steps ${STEPS:-25} --warmup-steps ${WARMUP:-15} --compile model,loss --blocks-per-row 1024
+        --gc-every 0)  # a variant's own --gc-every comes later on the line and wins
 fi
 
 flags_of() {
@@ -59,6 +65,7 @@ flags_of() {
     flex128x64) echo "--flex-block 128,64 --compile-mode max-autotune-no-cudagraphs" ;;
     cgraph) echo "--compile-mode reduce-overhead" ;;
     all) echo "--fused-ce --chunk-tokens 8192" ;;
+    allgc) echo "--fused-ce --chunk-tokens 8192 --gc-every 50" ;;
     allcg) echo "--fused-ce --chunk-tokens 8192 --compile-mode reduce-overhead" ;;
     *) echo "unknown variant $1" >&2; return 1 ;;
   esac
@@ -97,7 +104,7 @@ for v in variants:
     j, rc = work / f"{v}.json", work / f"{v}.rc"
     if not j.exists():
         status = "skipped" if not rc.exists() else f"failed (exit {rc.read_text().strip()})"
-        rows.append(f"| {v} | {status} | | | | | | | |")
+        rows.append(f"| {v} | {status} | | | | | | | | | |")
         continue
     r = json.loads(j.read_text())
     results[v] = r
@@ -105,14 +112,18 @@ for v in variants:
     per = r.get("drafter_ms_per_step") or []
     third = max(1, len(per) // 3)  # the drift over the timed steps: first third / last third, median ms
     drift = f"{sorted(per[:third])[third // 2]:.1f} / {sorted(per[-third:])[third // 2]:.1f}" if per else "-"
+    median = sorted(per)[len(per) // 2] if per else 0.0
+    slow = f"{sum(ms > 1.3 * median for ms in per)} / {len(per)}" if per else "-"
+    gc_ms = r.get("gc_ms_per_step")  # absent in files from before the GC fields
+    gc = f"{sum(gc_ms):.1f} ({max(gc_ms):.1f})" if gc_ms else "-"
     rows.append(
-        f"| {v} | ok | {1e3 * r['drafter_s']:.1f} | {drift} | {1e3 * r['step_s']:.1f} | {100 * r['drafter_mfu']:.2f}% "
+        f"| {v} | ok | {1e3 * r['drafter_s']:.1f} | {drift} | {slow} | {gc} | {1e3 * r['step_s']:.1f} | {100 * r['drafter_mfu']:.2f}% "
         f"| {r['drafter_tflops_per_s']:.1f} | {'%.2f' % peak if peak is not None else '-'} "
         f"| {r['loss_first_step']:.4f} / {r['loss_last_step']:.4f} |"
     )
 base = results.get("base")
-table = ["| variant | status | drafter step ms | first / last third ms | full step ms | drafter MFU | TFLOP/s | peak GiB | loss first / last step |",
-         "|---|---|---:|---:|---:|---:|---:|---:|---:|", *rows]
+table = ["| variant | status | drafter step ms | first / last third ms | slow steps | gc ms (max) | full step ms | drafter MFU | TFLOP/s | peak GiB | loss first / last step |",
+         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|", *rows]
 if base:
     table.append("")
     table += [f"{v}: drafter step {r['drafter_s'] / base['drafter_s']:.3f}x base" for v, r in results.items() if v != "base"]

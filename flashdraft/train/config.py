@@ -105,6 +105,11 @@ class RuntimeConfig:
     # where the target (the feature producer) runs: "same" = the drafter's device, "cuda:1", or one
     # device per local rank under torchrun, comma-separated ("cuda:4,cuda:5,cuda:6,cuda:7")
     target_device: str = "same"
+    # Python's cyclic GC (flashdraft/train/gc_policy.py): 0 = leave automatic collection on; N > 0 = off during
+    # Trainer.run, gc.collect(1) every N optimizer steps and a full gc.collect() after each checkpoint save
+    # (restored on exit). Automatic full collections over torch.compile's large heap can stall the host at random
+    # steps (the suspect for issue 5's slow steps); safe on: a 300-step CPU run made no cyclic garbage (RSS flat)
+    gc_every: int = 50
 
     @property
     def compile_parts(self) -> set[str]:
@@ -231,6 +236,11 @@ class TrainConfig:
             raise ConfigError(
                 f"runtime.compile_mode {self.runtime.compile_mode!r}: use default, reduce-overhead or "
                 "max-autotune-no-cudagraphs"
+            )
+        if self.runtime.gc_every < 0:
+            raise ConfigError(
+                f"runtime.gc_every {self.runtime.gc_every} must be >= 0: 0 keeps Python's automatic GC, "
+                "N > 0 collects every N optimizer steps"
             )
         if self.runtime.attention not in ("auto", "flex", "dense"):
             raise ConfigError(f"runtime.attention {self.runtime.attention!r}: use auto, flex or dense")

@@ -40,6 +40,7 @@ from flashdraft.train.checkpoint import (
 )
 from flashdraft.train.config import TrainConfig, fused_ce_on
 from flashdraft.train.flops import step_flops, trainable_params
+from flashdraft.train.gc_policy import GCPolicy
 from flashdraft.train.loss import loss_denominator, slot_weights
 from flashdraft.train.metrics import MetricsLogger
 from flashdraft.train.source import FeatureSource
@@ -256,7 +257,9 @@ class Trainer:
 
             bar = tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step", file=sys.stderr)
         interval = Interval(self.block_size, self.device)
+        gc_policy = GCPolicy(cfg.runtime.gc_every)  # automatic GC off (gc_every > 0) until `finally`
         try:
+            gc_policy.start()
             while self.step < self.total_steps:
                 micro = []
                 for _ in range(cfg.optim.grad_accum):
@@ -275,6 +278,9 @@ class Trainer:
                 except torch.OutOfMemoryError as e:
                     raise TrainingError(f"step {self.step + 1}: {OOM_HINT}") from e
                 self.step += 1
+                # while the device still runs the step just queued, so the pause hides behind it (after
+                # _log's host sync it would not)
+                gc_policy.step(self.step)
                 if bar is not None:
                     bar.update(1)
                 if self.on_step_end is not None:
@@ -292,6 +298,7 @@ class Trainer:
                 if self.step % cfg.checkpoint.every == 0 or asked or out_of_time:
                     self._checkpoint_requested = False
                     self.save()
+                    gc_policy.after_checkpoint()
                     saved_at = self.step
                 if out_of_time:
                     stopped = "time_limit"
@@ -301,6 +308,7 @@ class Trainer:
             if saved_at != self.step and self.step > 0:
                 self.save()
         finally:
+            gc_policy.stop()
             if bar is not None:
                 bar.close()
             if old_handler is not None:
