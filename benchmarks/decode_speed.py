@@ -13,6 +13,7 @@ Measures, at T = 0 and batch 1:
 - bf16 token agreement of chain / DDTree with the engine's own AR, the first divergent position
   and the target's top-2 logit margin there (teacher-forced on the AR sequence).
 `--target random-smollm2` builds a random SmolLM2-shaped Llama (no files) for smoke runs.
+`--compile-tree` runs the DDTree phase through torch.compile (`FastEngine(compile_tree=True)`, one compile per budget).
 """
 
 from __future__ import annotations
@@ -111,7 +112,9 @@ def time_engine(
     for i, p in enumerate(prompts):
         sync()
         t0 = time.perf_counter()
-        r = engine.generate(p, max_new_tokens=n_new, method=method, budget=budget, temperature=temperature, seed=i)
+        r = engine.generate(
+            p, max_new_tokens=n_new, method=method, budget=budget, temperature=temperature, seed=i
+        )
         sync()
         wall = time.perf_counter() - t0
         rows.append({"tokens": r.tokens, "wall_s": wall, "decode_s": r.timings.decode_s, "prefill_s": r.timings.prefill_s,
@@ -249,8 +252,14 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--out", default="decode_speed.json")
-    ap.add_argument("--dataset", default=None, help="prompts from an eval set, e.g. humaneval or a dataset folder")
-    ap.add_argument("--temperature", type=float, default=0.0, help="engine runs at this T (AR and speculative alike)")
+    ap.add_argument(
+        "--dataset", default=None, help="prompts from an eval set, e.g. humaneval or a dataset folder"
+    )
+    ap.add_argument(
+        "--temperature", type=float, default=0.0, help="engine runs at this T (AR and speculative alike)"
+    )
+    ap.add_argument("--compile-tree", action="store_true",
+                    help="FastEngine(compile_tree=True): the DDTree phase through torch.compile (one compile per budget)")  # fmt: skip
     ap.add_argument(
         "--device", default="cuda", help="cpu: a smoke run of the script itself (no graphs, no shape costs)"
     )
@@ -264,7 +273,9 @@ def main() -> None:
     log(f"target {target.name} | drafter {dname} | {dev_name} | torch {torch.__version__}")
     prompts = prompt_ids(target, args.prompts, args.dataset)
     max_len = max(len(p) for p in prompts) + args.max_new_tokens + 32
-    engine = FastEngine(target, drafter, max_len=max_len, max_budget=max(budgets))
+    engine = FastEngine(
+        target, drafter, max_len=max_len, max_budget=max(budgets), compile_tree=args.compile_tree
+    )
     t0 = time.perf_counter()
     engine.warmup([("ar", None), ("chain", None)] + [("ddtree", b) for b in budgets])
     sync()
@@ -272,7 +283,8 @@ def main() -> None:
     results: dict[str, Any] = {"target": target.name, "drafter": dname, "device": dev_name,
                                "torch": torch.__version__, "max_new_tokens": args.max_new_tokens,
                                "prompts": len(prompts), "block_size": drafter.block_size, "engine": [],
-                               "dataset": args.dataset or "built-in prompts", "temperature": args.temperature}  # fmt: skip
+                               "dataset": args.dataset or "built-in prompts", "temperature": args.temperature,
+                               "compile_tree": args.compile_tree}  # fmt: skip
     import transformers
 
     results["transformers"] = transformers.__version__

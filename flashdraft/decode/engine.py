@@ -13,6 +13,7 @@ A round is a fixed sequence of phases over static buffers, each captured once as
             keep the head's logits for slots 1..B−1                       [drafter forward]
     tree    (DDTree) build the tree ON THE DEVICE (`build_tree_device`, same nodes and order as
             `flashdraft.tree.build_tree`), write tokens / positions / mask in place
+            (`write_tree_inputs`; through torch.compile with `FastEngine(compile_tree=True)`)
     verify  the native target forward at q = B (chain), budget+1 (tree) or 1 (AR), then the
             target's token choice (`choose_tokens`, the reference's function)
     commit  acceptance, the path's K/V gathered into place, state advanced — all on the device
@@ -88,23 +89,24 @@ class DeviceTree:
     log_probs: torch.Tensor  # float64 [N] cumulative log Q
 
 
-def build_tree_device(draft_logits: torch.Tensor, plan: TreePlan) -> DeviceTree:
-    """`flashdraft.tree.build_tree` without the host: same nodes, same order, same parents.
+def draft_top(draft_logits: torch.Tensor, plan: TreePlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each slot's top k: float32 log-probs [L, k] (descending: rank = column) and token ids [L, k].
 
-    Depth by depth, the best `budget` prefixes of each depth (a stable sort of the candidate
-    pairs), then a stable sort of all depths' lists (depth-major, so ties go to the shallower
-    node). Scores are float64 sums of float32 log-softmax values, root first — bit-identical to
-    the heap's Python floats. No host sync, fixed shapes: capturable in a CUDA graph.
-    Where k < budget, depth 1 has budget − k empty places: NaN, which the stable sorts of the
-    negated scores put after every real entry, -inf ones (tokens of probability 0) included.
-    (Measured on the H200, benchmarks/RESULTS.md session 7: counting stable ranks instead of
-    sorting was slower at budgets 8/32/512, and inductor could not compile it.)
+    `build_tree`'s own float32 log-softmax, always eager: inductor's log-softmax sums in another order,
+    and a last-bit difference in a log-prob can reorder the tree, so the compiled tree phase
+    (`compile_tree_writer`) starts from this one too.
     """
-    n = plan.budget
-    num_slots = min(plan.num_slots, n)  # a depth-d node needs d nodes on its path: d <= budget
-    device = draft_logits.device
+    num_slots = min(plan.num_slots, plan.budget)  # a depth-d node needs d nodes on its path: d <= budget
     logp = torch.log_softmax(draft_logits[:num_slots].float(), dim=-1)  # [L, V] as build_tree computes it
-    top_lp, top_ids = logp.topk(plan.k, dim=-1)  # [L, k] sorted descending (rank = column)
+    top_lp, top_ids = logp.topk(plan.k, dim=-1)  # [L, k]
+    return top_lp, top_ids
+
+
+def select_tree(top_lp: torch.Tensor, top_ids: torch.Tensor, plan: TreePlan) -> DeviceTree:
+    """The tree over `draft_top`'s lists: see `build_tree_device`."""
+    n = plan.budget
+    num_slots = top_lp.shape[0]
+    device = top_lp.device
     lq = top_lp.double()  # [L, k]
     scores = torch.full((num_slots, n), float("nan"), dtype=torch.float64, device=device)  # per-depth lists
     chosen = torch.zeros(num_slots, n, dtype=torch.long, device=device)  # depth >= 2: index into the pairs
@@ -132,17 +134,102 @@ def build_tree_device(draft_logits: torch.Tensor, plan: TreePlan) -> DeviceTree:
     )
 
 
+def build_tree_device(draft_logits: torch.Tensor, plan: TreePlan) -> DeviceTree:
+    """`flashdraft.tree.build_tree` without the host: same nodes, same order, same parents.
+
+    Depth by depth, the best `budget` prefixes of each depth (a stable sort of the candidate
+    pairs), then a stable sort of all depths' lists (depth-major, so ties go to the shallower
+    node). Scores are float64 sums of float32 log-softmax values, root first — bit-identical to
+    the heap's Python floats. No host sync, fixed shapes: capturable in a CUDA graph.
+    Where k < budget, depth 1 has budget − k empty places: NaN, which the stable sorts of the
+    negated scores put after every real entry, -inf ones (tokens of probability 0) included.
+    (Measured on the H200, benchmarks/RESULTS.md session 7: counting stable ranks instead of
+    sorting was slower at budgets 8/32/512, and inductor could not compile it.)
+    """
+    return select_tree(*draft_top(draft_logits, plan), plan)
+
+
 def visibility_device(parents: torch.Tensor, hops: int) -> torch.Tensor:
-    """Bool [N+1, N+1] ancestor-or-self by pointer jumping (`hops` ≥ max depth + 1), no host sync."""
+    """Bool [N+1, N+1] ancestor-or-self (`hops` ≥ max depth + 1), no host sync.
+
+    Row i's ancestors 0..hops−1 (the root is its own parent), compared with every column: hops − 1
+    gathers, a stack and a compare-reduction, which inductor can fuse, where writing each hop's
+    ancestors into the matrix (pointer jumping with index_put) was two kernels per hop, each scatter
+    depending on the last.
+    """
     n1 = parents.shape[0]
-    rows = torch.arange(n1, device=parents.device)
-    vis = torch.zeros(n1, n1, dtype=torch.bool, device=parents.device)
-    ones = torch.ones(n1, dtype=torch.bool, device=parents.device)  # a device tensor: capturable
-    cur = rows
-    for _ in range(hops):
-        vis.index_put_((rows, cur), ones)
+    cur = torch.arange(n1, device=parents.device)
+    anc = [cur]
+    for _ in range(hops - 1):
         cur = parents[cur]
-    return vis
+        anc.append(cur)
+    cols = torch.arange(n1, device=parents.device)
+    return (torch.stack(anc)[:, :, None] == cols).any(dim=0)  # [hops, N+1, 1] vs [N+1] -> [N+1, N+1]
+
+
+@dataclass
+class TreeInputs:
+    """The tree phase's static outputs, written in place: verify reads the first four, commit the last two."""
+
+    tokens: torch.Tensor  # [N+1] the bonus, then the nodes' tokens
+    positions: torch.Tensor  # [N+1] seq_len + depth
+    rows: torch.Tensor  # [N+1] cache rows seq_len .. seq_len + N
+    allowed: torch.Tensor  # bool [N+1, cap] committed prefix + ancestors-or-self
+    parents: torch.Tensor  # [N+1]
+    depths: torch.Tensor  # [N+1]
+
+
+def write_tree_inputs(
+    top_lp: torch.Tensor,  # [L, k] `draft_top`'s
+    top_ids: torch.Tensor,  # [L, k]
+    plan: TreePlan,
+    seq_len: torch.Tensor,  # [1] the engine's committed length (the bonus sits there)
+    bonus: torch.Tensor,  # [1]
+    kv_idx: torch.Tensor,  # [cap] arange
+    hops: int,  # >= the deepest node's depth + 1
+    out: TreeInputs,
+) -> DeviceTree:
+    """The DDTree phase after `draft_top`: the tree, its visibility, the verify inputs — fixed shapes, no host read."""
+    budget = plan.budget
+    tree = select_tree(top_lp, top_ids, plan)
+    out.parents.copy_(tree.parents)
+    out.depths.copy_(tree.depths)
+    vis = visibility_device(tree.parents, hops)  # [N+1, N+1]
+    out.tokens.copy_(torch.cat([bonus, tree.tokens]))
+    out.positions.copy_(seq_len + tree.depths)
+    out.rows.copy_(seq_len + torch.arange(budget + 1, device=kv_idx.device))
+    rel = kv_idx - seq_len  # [cap] row index inside the tree block
+    in_block = (rel >= 0) & (rel <= budget)
+    tree_part = vis[:, rel.clamp(0, budget)] & in_block[None]  # [N+1, cap]
+    out.allowed.copy_((rel < 0)[None] | tree_part)
+    return tree
+
+
+# dynamo counts compilations per code object, not per torch.compile call: every new shape (budget, slots,
+# cache columns) compiles `write_tree_inputs` once more, and the 9th would pass the default recompile_limit
+# (8), a hard error under fullgraph. Each shape compiles once: nothing else it guards on changes between rounds.
+TREE_COMPILE_LIMIT = 256
+
+
+def compile_tree_writer() -> Callable[..., DeviceTree]:
+    """`write_tree_inputs` through torch.compile (fullgraph, static shapes), for `FastEngine(compile_tree=True)`.
+
+    The eager phase is launch-bound: several small kernels per depth, up to 15 depths. Compiled, each
+    depth's gathers, add and negation fuse into one kernel beside its sort (on CUDA inductor sorts lists of
+    <= 512 entries in its own Triton kernel, that prologue included; longer ones stay aten's sort), and
+    the bookkeeping, visibility and mask writes after the last sort fuse into a few. Same stable sorts,
+    same float64 adds: the same tree bit for bit (the sort-free build of 1668e76 did not compile).
+    It compiles on its first call, which must come before a CUDA-graph capture: `_Phase`'s warm-up
+    makes that call. `draft_top` stays outside (its docstring).
+    """
+    compiled = torch.compile(write_tree_inputs, fullgraph=True, dynamic=False)
+
+    def write(*args: Any) -> DeviceTree:
+        # no_grad: dynamo guards on the grad mode, and engine.warmup() runs outside generate's no_grad
+        with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=TREE_COMPILE_LIMIT):
+            return compiled(*args)
+
+    return write
 
 
 # ----------------------------------------------------------------------------- engine
@@ -207,6 +294,7 @@ class FastEngine:
         max_len: int = 2048,
         max_budget: int = 512,
         cuda_graphs: bool | None = None,
+        compile_tree: bool = False,
     ) -> None:
         why = native_support_error(target)
         if why is not None:
@@ -219,6 +307,9 @@ class FastEngine:
         self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         if self.cuda_graphs and self.device.type != "cuda":
             raise ValueError("cuda_graphs=True needs a CUDA target")
+        # the DDTree phase through torch.compile, one callable per budget (`compile_tree_writer`); off by
+        # default until the H200 measures it against the eager phase (benchmarks/gpu/tree_build.py)
+        self.compile_tree = compile_tree
         self.block = drafter.block_size if drafter is not None else 1
         self.max_budget = max_budget
         self.max_q = max(self.block, max_budget + 1 if drafter is not None else 1)
@@ -272,10 +363,13 @@ class FastEngine:
                     f"budget {budget} > max_budget {self.max_budget}: build the engine with max_budget={budget}"
                 )
             long = dict(dtype=torch.long, device=self.device)
+            q = self._qbuf(budget + 1)
+            out = TreeInputs(q["tokens"], q["positions"], q["rows"], q["allowed"],
+                             parents=torch.zeros(budget + 1, **long), depths=torch.zeros(budget + 1, **long))  # fmt: skip
             self._tree[budget] = {
                 "plan": TreePlan.make(budget, self.block - 1, self.target.vocab_size, self.device),
-                "parents": torch.zeros(budget + 1, **long),
-                "depths": torch.zeros(budget + 1, **long),
+                "out": out,
+                "write": compile_tree_writer() if self.compile_tree else write_tree_inputs,
             }
         return self._tree[budget]
 
@@ -313,20 +407,9 @@ class FastEngine:
 
     def _tree_inputs(self, budget: int) -> None:
         t = self._treebuf(budget)
-        b = self._qbuf(budget + 1)
-        tree = build_tree_device(self.draft_logits, t["plan"])
-        t["parents"].copy_(tree.parents)
-        t["depths"].copy_(tree.depths)
-        vis = visibility_device(
-            tree.parents, min(self.block, budget + 1)
-        )  # [N+1, N+1]; depth ≤ B−1, ≤ budget
-        b["tokens"].copy_(torch.cat([self.bonus, tree.tokens]))
-        b["positions"].copy_(self.seq_len + tree.depths)
-        b["rows"].copy_(self.seq_len + torch.arange(budget + 1, device=self.device))
-        rel = self.kv_idx - self.seq_len  # [cap] row index inside the tree block
-        in_block = (rel >= 0) & (rel <= budget)
-        tree_part = vis[:, rel.clamp(0, budget)] & in_block[None]  # [N+1, cap]
-        b["allowed"].copy_((rel < 0)[None] | tree_part)  # committed prefix + ancestors-or-self
+        top_lp, top_ids = draft_top(self.draft_logits, t["plan"])  # eager on both paths (its docstring)
+        hops = min(self.block, budget + 1)  # depth ≤ B−1, ≤ budget
+        t["write"](top_lp, top_ids, t["plan"], self.seq_len, self.bonus, self.kv_idx, hops, t["out"])
 
     def _verify(self, q: int, params: SamplingParams, features: bool = True) -> None:
         b = self._qbuf(q)
@@ -368,7 +451,7 @@ class FastEngine:
     def _commit_tree(self, budget: int) -> None:
         t = self._treebuf(budget)
         b = self._qbuf(budget + 1)
-        parents, depths, choice, tokens = t["parents"], t["depths"], b["choice"], b["tokens"]
+        parents, depths, choice, tokens = t["out"].parents, t["out"].depths, b["choice"], b["tokens"]
         # a node is accepted when its token is the target's choice after its parent, all the way up
         ok = tokens == choice[parents]  # [N+1]; the root compares its own token: forced True below
         ok[:1].fill_(True)

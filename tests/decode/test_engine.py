@@ -12,7 +12,16 @@ import random
 import pytest
 import torch
 
-from flashdraft.decode.engine import FastEngine, TreePlan, build_tree_device, visibility_device
+from flashdraft.decode.engine import (
+    FastEngine,
+    TreeInputs,
+    TreePlan,
+    build_tree_device,
+    compile_tree_writer,
+    draft_top,
+    visibility_device,
+    write_tree_inputs,
+)
 from flashdraft.decode.engine import generate as fast_generate
 from flashdraft.decode.generate import generate as reference_generate
 from flashdraft.decode.native import NativeDrafter, NativeTarget, native_support_error
@@ -179,6 +188,137 @@ def test_build_tree_device_equals_heap(case, logits):
         assert torch.equal(vis, tree_visibility(ref)), (case, budget)
 
 
+# ----------------------------------------------------------------------------- compiled tree phase
+
+# the tree phase compiles once per shape (~10-15 s each with inductor's CPU backend on 2 cores): the cases
+# are grouped by the shapes the compiled function sees (top-k lists [L, k], the cache's columns), and the
+# engine test below builds FastEngine(max_len=64, max_budget=33) over 8-token blocks, whose phases have
+# exactly these shapes, so it reuses these compilations when both run in one process
+CAP = 112  # that engine's cache columns: -(-(64 + 34) // 16) * 16
+
+
+def _compiled_tree_cases():
+    """(case, logits, budget): `_tree_cases` at budgets 1, 8, 33, in 4 compiled shapes."""
+    cases = dict(_tree_cases())
+    for case, logits in cases.items():
+        yield case, logits, 1  # top-1 lists [1, 1] whatever the logits
+    seven = {k: v for k, v in cases.items() if v.shape[0] == 7}  # random, peaked, ties, same_rows
+    # -inf at 7 slots: one finite token per slot after the first, so only 2 finite prefixes per depth
+    # (14 in all): budget 33 takes 19 -inf nodes, tied among themselves
+    masked = cases["peaked"].clone()
+    masked[:, 2:] = float("-inf")
+    masked[1:, 1:] = float("-inf")
+    seven["neg_inf_7"] = masked
+    for budget in (8, 33):
+        for case, logits in seven.items():
+            yield case, logits, budget
+    yield "small_vocab", cases["small_vocab"], 8  # 3 tokens < budget: NaN places in the depth-1 list
+
+
+def _write_tree(write, logits: torch.Tensor, budget: int):
+    num_slots, vocab = logits.shape
+    dev = logits.device
+    plan = TreePlan.make(budget, num_slots, vocab, dev)
+    long = dict(dtype=torch.long, device=dev)
+    out = TreeInputs(*(torch.zeros(budget + 1, **long) for _ in range(3)),
+                     torch.zeros(budget + 1, CAP, dtype=torch.bool, device=dev),
+                     torch.zeros(budget + 1, **long), torch.zeros(budget + 1, **long))  # fmt: skip
+    # the tree block at cache rows 40..40 + budget
+    seq_len, bonus = torch.tensor([40], **long), torch.tensor([7], **long)
+    hops = min(num_slots + 1, budget + 1)  # as the engine's: min(block, budget + 1)
+    tree = write(*draft_top(logits, plan), plan, seq_len, bonus, torch.arange(CAP, **long), hops, out)
+    return tree, out
+
+
+@pytest.mark.slow
+def test_compiled_tree_inputs_equal_eager():
+    """`compile_tree_writer` (inductor, here its CPU backend) writes exactly the eager phase's inputs.
+
+    ~50 s on 2 cores, nearly all of it 4 compilations; the sorts are aten's on CPU (inductor's Triton
+    sort runs only on CUDA: test_compiled_tree_on_gpu)."""
+    compiled = compile_tree_writer()
+    seen = set()
+    for case, logits, budget in _compiled_tree_cases():
+        want, want_out = _write_tree(write_tree_inputs, logits, budget)
+        got, got_out = _write_tree(compiled, logits, budget)
+        for name in ("tokens", "parents", "depths", "log_probs"):  # float64 scores bit for bit, -inf included
+            assert torch.equal(getattr(got, name), getattr(want, name)), (case, budget, name)
+        for name in vars(want_out):  # tokens, positions, rows, allowed, parents, depths
+            assert torch.equal(getattr(got_out, name), getattr(want_out, name)), (case, budget, name)
+        seen.add((case, budget))
+        if case == "neg_inf_7" and budget == 33:
+            assert (want.log_probs == float("-inf")).sum() == 19
+    # the eager phase is the heap's tree (test_build_tree_device_equals_heap), its mask the reference's
+    ref = build_tree(dict(_tree_cases())["ties"], 33)
+    tree, out = _write_tree(compiled, dict(_tree_cases())["ties"], 33)
+    assert tree.tokens.tolist() == ref.tokens.tolist() and tree.parents.tolist() == [0] + ref.parents[1:]
+    assert torch.equal(out.allowed[:, 40:74], tree_visibility(ref)) and out.allowed[:, :40].all()
+    assert not out.allowed[:, 74:].any()
+    assert len(seen) == 6 + 5 * 2 + 1
+
+
+@pytest.mark.slow
+def test_engine_compiled_tree_equals_ar():
+    """FastEngine(compile_tree=True): DDTree is token-identical to greedy AR (float64) and to the eager
+    engine round for round, with a mostly-right drafter so trees are accepted deep."""
+    target = tiny_target("llama", layers=4, seed=5)
+    inner = tiny_drafter(target, layers=1, block_size=BLOCK, seed=0)
+    rng = random.Random(3)
+    deep = 0
+    for _ in range(2):
+        prompt = _prompt(rng, target.vocab_size)
+        max_new = rng.randint(16, 30)
+        ar = reference_generate(target, None, prompt, max_new_tokens=max_new, method="ar").tokens
+        for budget in (1, 8, 33):
+            results = []
+            for compile_tree in (False, True):
+                oracle = OracleDrafter(target, inner, prompt, error_rate=0.3, sharpness=8.0, seed=3)
+                engine = OracleEngine(target, oracle, max_len=64, max_budget=33, compile_tree=compile_tree)
+                assert engine.capacity == CAP
+                results.append(engine.generate(prompt, max_new_tokens=max_new, method="ddtree", budget=budget,
+                                               on_tokens=oracle.on_tokens))  # fmt: skip
+            eager, compiled = results
+            _same(compiled, eager, budget)
+            assert compiled.tokens == ar, budget
+            deep += sum(a > 2 for a in compiled.acceptance_lengths)
+    assert deep > 0
+
+
+@pytest.mark.slow
+def test_tree_build_benchmark_smoke(tmp_path):
+    """benchmarks/gpu/tree_build.py --device cpu: its engines have the shapes above (no new compilation in a
+    run of this file; ~25 s alone)."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu" / "tree_build.py"
+    spec = importlib.util.spec_from_file_location("tree_build", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rows = bench.main(["--device", "cpu", "--replays", "2", "--out", str(tmp_path / "tree_build.json")])
+    assert [r["budget"] for r in rows] == [8, 33]
+    assert all(r["compiled_equal"] and r["compiled_ms"] > 0 and r["eager_ms"] > 0 for r in rows)
+    assert json.loads((tmp_path / "tree_build.json").read_text())["meta"]["variants"] == ["eager", "compiled"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_compiled_tree_on_gpu():
+    """On CUDA inductor sorts lists of <= 512 entries in its own Triton kernel: same trees, same mask."""
+    compiled = compile_tree_writer()
+    for case, logits, budget in _compiled_tree_cases():
+        if budget == 1 and case != "random":
+            continue
+        want, want_out = _write_tree(write_tree_inputs, logits.cuda(), budget)
+        got, got_out = _write_tree(compiled, logits.cuda(), budget)
+        for name in ("tokens", "parents", "depths", "log_probs"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), (case, budget, name)
+        for name in vars(want_out):
+            assert torch.equal(getattr(got_out, name), getattr(want_out, name)), (case, budget, name)
+
+
 def test_tree_plan_refuses_impossible_budget():
     with pytest.raises(ValueError, match="exceeds"):
         TreePlan.make(20, 2, 3, torch.device("cpu"))  # only 3 + 9 prefixes exist
@@ -317,10 +457,14 @@ def test_cuda_graphs_equal_eager_on_gpu():
     drafter = tiny_drafter(target, layers=1, block_size=BLOCK).cuda()
     graphs = FastEngine(target, drafter, max_len=96, max_budget=32, cuda_graphs=True)
     eager = FastEngine(target, drafter, max_len=96, max_budget=32, cuda_graphs=False)
+    # the tree phase compiled in the graph's warm-up, then captured
+    compiled = FastEngine(target, drafter, max_len=96, max_budget=32, cuda_graphs=True, compile_tree=True)
     for method, budget in [("ar", None), ("chain", None), ("ddtree", 8), ("ddtree", 32)]:
         a = graphs.generate([5, 9, 11], max_new_tokens=40, method=method, budget=budget)
         b = eager.generate([5, 9, 11], max_new_tokens=40, method=method, budget=budget)
         _same(a, b, method)
+        if method == "ddtree":
+            _same(compiled.generate([5, 9, 11], max_new_tokens=40, method=method, budget=budget), b, budget)
 
 
 def test_phases_never_read_the_host():
