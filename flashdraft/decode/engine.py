@@ -369,7 +369,9 @@ class FastEngine:
             self._tree[budget] = {
                 "plan": TreePlan.make(budget, self.block - 1, self.target.vocab_size, self.device),
                 "out": out,
-                "write": compile_tree_writer() if self.compile_tree else write_tree_inputs,
+                # budget 1 (a one-node tree) stays eager: nothing to fuse, and inductor 2.11 on CUDA fails on its
+                # [1, 1] top-k lists ("argument '-1 + ((-1))' is not comparable", H200 session 10)
+                "write": compile_tree_writer() if self.compile_tree and budget > 1 else write_tree_inputs,
             }
         return self._tree[budget]
 

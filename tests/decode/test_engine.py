@@ -308,15 +308,21 @@ def test_tree_build_benchmark_smoke(tmp_path):
 def test_compiled_tree_on_gpu():
     """On CUDA inductor sorts lists of <= 512 entries in its own Triton kernel: same trees, same mask."""
     compiled = compile_tree_writer()
+    failed = []  # every case's compile error, not just the first
     for case, logits, budget in _compiled_tree_cases():
-        if budget == 1 and case != "random":
-            continue
+        if budget == 1:
+            continue  # the engine keeps budget 1 eager (FastEngine._treebuf)
         want, want_out = _write_tree(write_tree_inputs, logits.cuda(), budget)
-        got, got_out = _write_tree(compiled, logits.cuda(), budget)
+        try:
+            got, got_out = _write_tree(compiled, logits.cuda(), budget)
+        except Exception as e:  # noqa: BLE001 — collected, asserted below
+            failed.append((case, budget, f"{type(e).__name__}: {str(e)[:200]}"))
+            continue
         for name in ("tokens", "parents", "depths", "log_probs"):
             assert torch.equal(getattr(got, name), getattr(want, name)), (case, budget, name)
         for name in vars(want_out):
             assert torch.equal(getattr(got_out, name), getattr(want_out, name)), (case, budget, name)
+    assert not failed, failed
 
 
 def test_tree_plan_refuses_impossible_budget():
