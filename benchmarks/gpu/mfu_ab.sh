@@ -23,6 +23,7 @@
 #             extra ~60 ms is all host time in anchor sampling + build_blocks (host_blocks_ms_per_step 40-180 ms
 #             vs 4.5), not GC (allgc: no pauses); suspect: 16 OpenMP threads' barriers on tiny CPU tensors
 #             waiting for a descheduled thread
+#   all4t     all with OMP_NUM_THREADS=4
 # Every variant runs with --gc-every 0 (Python's automatic GC, as sessions 5-9 measured) unless it sets its own.
 # PROFILE_VARIANT (default all) adds `--profile 2`: its top kernels land in the log.
 # Outputs: $OUT/mfu_ab.json (every variant's train_throughput JSON), $OUT/mfu_ab.log (every log),
@@ -71,7 +72,7 @@ flags_of() {
     all) echo "--fused-ce --chunk-tokens 8192" ;;
     allgc) echo "--fused-ce --chunk-tokens 8192 --gc-every 50" ;;
     allcg) echo "--fused-ce --chunk-tokens 8192 --compile-mode reduce-overhead" ;;
-    all1t) echo "--fused-ce --chunk-tokens 8192" ;;
+    all1t|all4t) echo "--fused-ce --chunk-tokens 8192" ;;
     *) echo "unknown variant $1" >&2; return 1 ;;
   esac
 }
@@ -91,7 +92,7 @@ for v in $VARIANTS; do
   # one variant also prints torch.profiler's top kernels after its timed steps (timings unaffected)
   [ "$v" = "${PROFILE_VARIANT:-all}" ] && [ -z "${DRY:-}" ] && flags="$flags --profile 2"
   # shellcheck disable=SC2086
-  envs=(); [ "$v" = all1t ] && envs=(OMP_NUM_THREADS=1)
+  envs=(); [ "$v" = all1t ] && envs=(OMP_NUM_THREADS=1); [ "$v" = all4t ] && envs=(OMP_NUM_THREADS=4)
   env "${envs[@]}" timeout "$limit" $PY benchmarks/train_throughput.py "${BASE[@]}" $flags \
     --json "$WORK/$v.json" > "$WORK/$v.log" 2>&1
   rc=$?
