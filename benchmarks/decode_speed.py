@@ -13,7 +13,7 @@ Measures, at T = 0 and batch 1:
 - bf16 token agreement of chain / DDTree with the engine's own AR, the first divergent position
   and the target's top-2 logit margin there (teacher-forced on the AR sequence).
 `--target random-smollm2` builds a random SmolLM2-shaped Llama (no files) for smoke runs.
-`--compile-tree` runs the DDTree phase through torch.compile (`FastEngine(compile_tree=True)`, one compile per budget).
+`--tree-phase eager|compiled` chooses how the DDTree phase runs (default: the engine's, compiled on CUDA — `FastEngine(compile_tree=...)`).
 """
 
 from __future__ import annotations
@@ -258,8 +258,11 @@ def main() -> None:
     ap.add_argument(
         "--temperature", type=float, default=0.0, help="engine runs at this T (AR and speculative alike)"
     )
-    ap.add_argument("--compile-tree", action="store_true",
-                    help="FastEngine(compile_tree=True): the DDTree phase through torch.compile (one compile per budget)")  # fmt: skip
+    ap.add_argument("--tree-phase", choices=["auto", "eager", "compiled"], default="auto",
+                    help="the DDTree phase: eager, or through torch.compile (one compile per budget); auto: the "
+                         "engine's default (compiled with CUDA graphs)")  # fmt: skip
+    ap.add_argument("--compile-tree", action="store_const", const="compiled", dest="tree_phase",
+                    help="= --tree-phase compiled (session 10's command line)")  # fmt: skip
     ap.add_argument(
         "--device", default="cuda", help="cpu: a smoke run of the script itself (no graphs, no shape costs)"
     )
@@ -274,7 +277,11 @@ def main() -> None:
     prompts = prompt_ids(target, args.prompts, args.dataset)
     max_len = max(len(p) for p in prompts) + args.max_new_tokens + 32
     engine = FastEngine(
-        target, drafter, max_len=max_len, max_budget=max(budgets), compile_tree=args.compile_tree
+        target,
+        drafter,
+        max_len=max_len,
+        max_budget=max(budgets),
+        compile_tree={"auto": None, "eager": False, "compiled": True}[args.tree_phase],
     )
     t0 = time.perf_counter()
     engine.warmup([("ar", None), ("chain", None)] + [("ddtree", b) for b in budgets])
@@ -284,7 +291,7 @@ def main() -> None:
                                "torch": torch.__version__, "max_new_tokens": args.max_new_tokens,
                                "prompts": len(prompts), "block_size": drafter.block_size, "engine": [],
                                "dataset": args.dataset or "built-in prompts", "temperature": args.temperature,
-                               "compile_tree": args.compile_tree}  # fmt: skip
+                               "compile_tree": engine.compile_tree}  # fmt: skip
     import transformers
 
     results["transformers"] = transformers.__version__

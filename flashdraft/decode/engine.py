@@ -13,7 +13,7 @@ A round is a fixed sequence of phases over static buffers, each captured once as
             keep the head's logits for slots 1..B−1                       [drafter forward]
     tree    (DDTree) build the tree ON THE DEVICE (`build_tree_device`, same nodes and order as
             `flashdraft.tree.build_tree`), write tokens / positions / mask in place
-            (`write_tree_inputs`; through torch.compile with `FastEngine(compile_tree=True)`)
+            (`write_tree_inputs`; through torch.compile where the phases are CUDA graphs: `compile_tree`)
     verify  the native target forward at q = B (chain), budget+1 (tree) or 1 (AR), then the
             target's token choice (`choose_tokens`, the reference's function)
     commit  acceptance, the path's K/V gathered into place, state advanced — all on the device
@@ -294,7 +294,7 @@ class FastEngine:
         max_len: int = 2048,
         max_budget: int = 512,
         cuda_graphs: bool | None = None,
-        compile_tree: bool = False,
+        compile_tree: bool | None = None,
     ) -> None:
         why = native_support_error(target)
         if why is not None:
@@ -307,9 +307,11 @@ class FastEngine:
         self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         if self.cuda_graphs and self.device.type != "cuda":
             raise ValueError("cuda_graphs=True needs a CUDA target")
-        # the DDTree phase through torch.compile, one callable per budget (`compile_tree_writer`); off by
-        # default until the H200 measures it against the eager phase (benchmarks/gpu/tree_build.py)
-        self.compile_tree = compile_tree
+        # the DDTree phase through torch.compile, one callable per budget (`compile_tree_writer`); by default
+        # wherever the phases are CUDA graphs. H200 session 10 (benchmarks/RESULTS.md): the phase 1.35-3.55x
+        # faster per replay (budget 8: 0.300 -> 0.108 ms, 512: 1.076 -> 0.795), the same trees bit for bit,
+        # DDTree-32 1.60x -> 1.72x over engine AR; the price is 6-23 s of compilation per budget, once, at warm-up
+        self.compile_tree = self.cuda_graphs if compile_tree is None else compile_tree
         self.block = drafter.block_size if drafter is not None else 1
         self.max_budget = max_budget
         self.max_q = max(self.block, max_budget + 1 if drafter is not None else 1)

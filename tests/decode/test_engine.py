@@ -325,6 +325,14 @@ def test_compiled_tree_on_gpu():
     assert not failed, failed
 
 
+def test_compile_tree_default_follows_cuda_graphs():
+    """The compiled tree phase is the default only where the phases are CUDA graphs (CPU: eager, no compile)."""
+    target = tiny_target("llama", layers=1, seed=0)
+    drafter = tiny_drafter(target, layers=1, block_size=BLOCK)
+    assert FastEngine(target, drafter, max_len=32, max_budget=8).compile_tree is False
+    assert FastEngine(target, drafter, max_len=32, max_budget=8, compile_tree=True).compile_tree is True
+
+
 def test_tree_plan_refuses_impossible_budget():
     with pytest.raises(ValueError, match="exceeds"):
         TreePlan.make(20, 2, 3, torch.device("cpu"))  # only 3 + 9 prefixes exist
@@ -461,7 +469,8 @@ def test_cuda_graphs_equal_eager_on_gpu():
     target = tiny_target("llama", layers=4, dtype=torch.float32)
     target.model.cuda()
     drafter = tiny_drafter(target, layers=1, block_size=BLOCK).cuda()
-    graphs = FastEngine(target, drafter, max_len=96, max_budget=32, cuda_graphs=True)
+    graphs = FastEngine(target, drafter, max_len=96, max_budget=32, cuda_graphs=True, compile_tree=False)
+    assert FastEngine(target, drafter, max_len=96, max_budget=32).compile_tree  # the default with CUDA graphs
     eager = FastEngine(target, drafter, max_len=96, max_budget=32, cuda_graphs=False)
     # the tree phase compiled in the graph's warm-up, then captured
     compiled = FastEngine(target, drafter, max_len=96, max_budget=32, cuda_graphs=True, compile_tree=True)
