@@ -24,6 +24,7 @@ import shlex
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -160,6 +161,53 @@ def train_overrides(sizes: QuickstartSizes, run: Path, data: Path, feats: Path, 
     ]  # fmt: skip
 
 
+def regenerate_args(
+    sizes: QuickstartSizes,
+    prompts_file: Path,
+    out: Path,
+    device: str,
+    dtype: str,
+    *,
+    batch_size: int | None = None,
+    target: str | None = None,
+    extra: Sequence[str] = (),
+) -> list[str]:
+    """`flashdraft data regenerate ...` (the subcommand words included) for these sizes: the quickstart's data
+    stage, also run by benchmarks/gpu/qs_screen.py. `batch_size` overrides `sizes.regen_batch`; `target` adds
+    `--target` (else the CLI's default target); `extra` goes just before `--out`."""
+    return [
+        "data", "regenerate", *(["--target", target] if target is not None else []),
+        "--input", f"prompts:{prompts_file}", "--max-new-tokens", str(sizes.max_new_tokens),
+        "--batch-size", str(sizes.regen_batch if batch_size is None else batch_size),
+        "--max-length", str(sizes.max_length), "--block-size", str(sizes.block_size), "--eval-fraction", "0.1",
+        "--device", device, "--dtype", dtype, *extra, "--out", str(out),
+    ]  # fmt: skip
+
+
+def features_args(
+    sizes: QuickstartSizes,
+    data: Path,
+    out: Path,
+    device: str,
+    dtype: str,
+    *,
+    target: str | None = None,
+    extra: Sequence[str] = (),
+) -> list[str]:
+    """`flashdraft features dump ...` (the subcommand words included) for these sizes: the quickstart's
+    features stage, also run by benchmarks/gpu/qs_screen.py. The target layers are `sizes.target_layer_ids`,
+    else the default layers for a `sizes.layers`-layer drafter; `dtype` is both the features' and the target's
+    dtype; `target` adds `--target`; `extra` goes at the end."""
+    layers = (["--layers", ",".join(map(str, sizes.target_layer_ids))] if sizes.target_layer_ids
+              else ["--drafter-layers", str(sizes.layers)])  # fmt: skip
+    return [
+        "features", "dump", *(["--target", target] if target is not None else []),
+        "--dataset", str(data), "--out", str(out), *layers,
+        "--max-length", str(sizes.max_length), "--token-budget", str(sizes.token_budget),
+        "--dtype", dtype, "--target-dtype", dtype, "--device", device, *extra,
+    ]  # fmt: skip
+
+
 def _run(args: list[str], log: list[str]) -> None:
     cmd = [sys.executable, "-m", "flashdraft.cli", *args]
     line = "flashdraft " + " ".join(shlex.quote(a) for a in args)
@@ -220,16 +268,9 @@ def register(app: typer.Typer) -> None:
         if not (data / "manifest.json").is_file():
             first_turns = work / "prompts.jsonl"
             write_first_turns(first_turns, sizes.prompts)
-            _run(["data", "regenerate", "--input", f"prompts:{first_turns}",
-                  "--max-new-tokens", str(sizes.max_new_tokens), "--batch-size", str(sizes.regen_batch),
-                  "--max-length", str(sizes.max_length), "--block-size", str(sizes.block_size),
-                  "--eval-fraction", "0.1", "--device", device, "--dtype", dtype, "--out", str(data)], log)  # fmt: skip
+            _run(regenerate_args(sizes, first_turns, data, device, dtype), log)
         if not (feats / "manifest.json").is_file():
-            layers = (["--layers", ",".join(map(str, sizes.target_layer_ids))] if sizes.target_layer_ids
-                      else ["--drafter-layers", str(sizes.layers)])  # fmt: skip
-            _run(["features", "dump", "--dataset", str(data), "--out", str(feats), *layers,
-                  "--max-length", str(sizes.max_length), "--token-budget", str(sizes.token_budget),
-                  "--dtype", dtype, "--target-dtype", dtype, "--device", device], log)  # fmt: skip
+            _run(features_args(sizes, data, feats, device, dtype), log)
         overrides = train_overrides(sizes, run, data, feats, device)
         if not (run / "checkpoints").is_dir():  # a rerun evaluates what the first run trained
             _run(["train", str(CONFIG), *overrides], log)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from flashdraft.config import load_config
-from flashdraft.quickstart import CONFIG, SIZES, train_overrides
+from flashdraft.quickstart import CONFIG, SIZES, features_args, regenerate_args, train_overrides
 from flashdraft.train.config import TrainConfig
 
 
@@ -36,3 +36,107 @@ def test_preset_follows_the_device_and_the_cpu_bf16_support(monkeypatch: pytest.
     assert qs.preset_for("cpu") == "cpu" and SIZES["cpu"].dtype == "bfloat16"
     monkeypatch.setattr(qs, "cpu_has_native_bf16", lambda: False)
     assert qs.preset_for("cpu") == "cpu-fp32" and SIZES["cpu-fp32"].dtype == "float32"
+
+
+def _parse(args: list[str]) -> dict:
+    """The parameters the real `flashdraft` CLI parses from `args` (subcommand words first), without running it."""
+    import typer
+
+    from flashdraft.cli import app
+
+    cmd = typer.main.get_command(app)
+    i = 0
+    while hasattr(cmd, "commands"):  # a group: descend by the subcommand words
+        cmd, i = cmd.commands[args[i]], i + 1
+    params = cmd.make_context(" ".join(args[:i]), list(args[i:])).params
+    assert params, args
+    return params
+
+
+@pytest.mark.parametrize("device, bf16", [("cpu", True), ("cpu", False), ("cuda", False)])
+def test_quickstart_data_and_features_stages_come_from_the_builders(
+    device: str, bf16: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from typer.testing import CliRunner
+
+    import flashdraft.quickstart as qs
+    from flashdraft.cli import app
+
+    ran: list[list[str]] = []
+    monkeypatch.setattr(qs, "_run", lambda args, log: ran.append(list(args)))
+    monkeypatch.setattr(qs, "write_first_turns", lambda path, n: None)
+    monkeypatch.setattr(qs, "cpu_has_native_bf16", lambda: bf16)
+    work = tmp_path / "w"
+    r = CliRunner().invoke(app, ["quickstart", "--work", str(work), "--device", device])
+    assert r.exit_code == 0, r.output
+    sizes = SIZES[qs.preset_for(device)]
+    data, feats = work / "data", work / "features"
+    regen = regenerate_args(sizes, work / "prompts.jsonl", data, device, sizes.dtype)
+    dump = features_args(sizes, data, feats, device, sizes.dtype)
+    assert ran[:2] == [regen, dump]
+    p = _parse(regen)
+    assert p["input"] == [f"prompts:{work / 'prompts.jsonl'}"] and p["out"] == str(data)
+    assert (p["batch_size"], p["max_length"], p["block_size"], p["max_new_tokens"]) == (
+        sizes.regen_batch, sizes.max_length, sizes.block_size, sizes.max_new_tokens
+    )  # fmt: skip
+    assert (p["device"], p["dtype"], p["target"], p["eval_fraction"]) == (device, sizes.dtype, "default", 0.1)
+    p = _parse(dump)
+    assert (p["dataset"], p["out"], p["device"], p["dtype"], p["target_dtype"]) == (
+        str(data), str(feats), device, sizes.dtype, sizes.dtype
+    )  # fmt: skip
+    assert (p["max_length"], p["token_budget"]) == (sizes.max_length, sizes.token_budget)
+    if sizes.target_layer_ids:
+        assert p["layers"] == ",".join(map(str, sizes.target_layer_ids))
+    else:
+        assert p["layers"] is None and p["drafter_layers"] == sizes.layers
+
+
+def test_qs_screen_runs_the_builders_with_its_gpu_extras(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """benchmarks/gpu/qs_screen.py (no GPU needed to import it) builds its data and features commands with the
+    quickstart's builders on session 7's pinned sizes, plus its own target, engine, contamination and --yes."""
+    import gzip
+    import importlib.util
+    import json
+    import sys
+
+    import flashdraft.quickstart as qs
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu" / "qs_screen.py"
+    spec = importlib.util.spec_from_file_location("qs_screen", path)
+    assert spec is not None and spec.loader is not None
+    screen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(screen)
+    assert screen.regenerate_args is qs.regenerate_args and screen.features_args is qs.features_args
+
+    calls: list[list[str]] = []
+    monkeypatch.setattr(screen, "sh", lambda args, log: calls.append(list(args)) or 0)
+    (tmp_path / "p").mkdir()
+    with gzip.open(tmp_path / "p" / "p3000.jsonl.gz", "wt") as f:
+        f.write("".join(json.dumps({"id": str(i), "prompt": "hi"}) + "\n" for i in range(400)))
+    work, target = tmp_path / "qs", "/models/smollm2-fp32"
+    monkeypatch.setattr(sys, "argv", ["qs_screen.py", "--prompts", str(tmp_path / "p"), "--work", str(work),
+                                      "--out", str(tmp_path / "out"), "--target", target, "--budget-s", "0",
+                                      "--contamination", "humaneval:/x.jsonl.gz", "--variants", "base"])  # fmt: skip
+    screen.main()  # budget 0: data and features commands, no training, the eval (sh is stubbed)
+    fd = [sys.executable, "-m", "flashdraft.cli"]
+    assert [c[: len(fd)] for c in calls] == [fd] * 3
+    regen, dump = calls[0][len(fd) :], calls[1][len(fd) :]
+    base = screen.SCREEN_BASE  # session 7's cpu-fp32 recipe: 4 layers, b4, layer 15, float32
+    assert (base.layers, base.block_size, base.target_layer_ids, base.dtype) == (4, 4, [15], "float32")
+    p = _parse(regen)
+    assert p["input"] == [f"prompts:{work / 'p300.jsonl'}"] and p["out"] == str(work / "d300")
+    assert (p["target"], p["engine"], p["contamination"], p["batch_size"]) == (
+        target, "native", ["humaneval:/x.jsonl.gz"], 512
+    )  # fmt: skip
+    assert (p["device"], p["dtype"], p["block_size"], p["max_length"], p["max_new_tokens"]) == (
+        "cuda", "float32", 4, 384, 96
+    )  # fmt: skip
+    p = _parse(dump)
+    assert (p["target"], p["dataset"], p["out"], p["layers"], p["yes"]) == (
+        target, str(work / "d300"), str(work / "f300"), "15", True
+    )  # fmt: skip
+    assert (p["device"], p["dtype"], p["target_dtype"], p["max_length"], p["token_budget"]) == (
+        "cuda", "float32", "float32", 384, 1024
+    )  # fmt: skip

@@ -29,7 +29,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from flashdraft.quickstart import CONFIG, SIZES, train_overrides  # noqa: E402
+from flashdraft.quickstart import CONFIG, SIZES, features_args, regenerate_args, train_overrides  # noqa: E402
 
 # The screened recipe: session 7's cpu-fp32 preset (the bf16 preset's 4-layer b4 drafter in float32), pinned here
 # so a rerun reproduces session 8's table after the preset itself changed (to 450 prompts, 2 layers, b3).
@@ -107,15 +107,14 @@ def main() -> None:
                 a.prompts / "p3000.jsonl.gz", "rt"
             ) as f:  # the first N lines = write_first_turns(N)
                 (a.work / f"p{n}.jsonl").write_text("".join(f.readlines()[:n]))
-            sh([*fd, "data", "regenerate", "--target", a.target, "--input", f"prompts:{a.work}/p{n}.jsonl",
-                "--max-new-tokens", str(base.max_new_tokens), "--batch-size", "512", "--max-length", str(base.max_length),
-                "--block-size", str(base.block_size), "--eval-fraction", "0.1", "--device", "cuda", "--dtype", "float32",
-                "--engine", "native", "--contamination", a.contamination, "--out", str(data)], log)  # fmt: skip
+            regen = regenerate_args(base, a.work / f"p{n}.jsonl", data, "cuda", "float32", batch_size=512,
+                                    target=a.target, extra=["--engine", "native", "--contamination", a.contamination])  # fmt: skip
+            sh([*fd, *regen], log)
         if not (feats / "manifest.json").is_file():
-            sh([*fd, "features", "dump", "--target", a.target, "--dataset", str(data), "--out", str(feats),
-                "--layers", ",".join(map(str, base.target_layer_ids or [])), "--max-length", str(base.max_length),
-                "--token-budget", str(base.token_budget), "--dtype", "float32", "--target-dtype", "float32",
-                "--device", "cuda", "--yes"], log)  # fmt: skip
+            sh(
+                [*fd, *features_args(base, data, feats, "cuda", "float32", target=a.target, extra=["--yes"])],
+                log,
+            )
     print(f"data + features: {time.time() - t0:.0f} s", flush=True)
 
     # the CPU's code paths: eager drafter, dense bool mask, log_softmax CE, float32 target head
