@@ -20,7 +20,9 @@ with a device sync around the target pass and around the drafter step so the spl
   (`gc_ms_per_step`, the highest generation collected in `gc_max_generation_per_step`) and the
   host time spent sampling anchors and building blocks (`host_blocks_ms_per_step`). `--gc-every N`
   applies the trainer's runtime.gc_every policy (`flashdraft.train.gc_policy`) to the steps;
-  unset, the config default.
+  unset, the config default. `--host-threads N` likewise applies runtime.host_threads (torch's
+  intra-op CPU threads, `flashdraft.train.host`; unset: the config's auto, 1 on CUDA); the result's
+  `host_threads` records the resolved setting and torch.get_num_threads() during the steps.
 
 With `--queue-depth N` the target runs in the pipeline's producer thread (its own CUDA
 stream, `flashdraft.train.pipeline.QueuedSource`), N batches ahead, as `flashdraft train`
@@ -53,6 +55,7 @@ from flashdraft.train import trainer as trainer_module
 from flashdraft.train.config import TrainConfig
 from flashdraft.train.flops import block_tokens, step_flops
 from flashdraft.train.gc_policy import GCPolicy
+from flashdraft.train.host import HostThreads, resolve_host_threads
 from flashdraft.train.launch import build_drafter, compile_parts, resolve_precision
 from flashdraft.train.metrics import MetricsLogger
 from flashdraft.train.pipeline import FrozenHeads, QueuedSource, resolve_target_device
@@ -207,6 +210,9 @@ def main() -> None:
     ap.add_argument("--gc-every", type=int, default=None,
                     help="as runtime.gc_every: 0 = automatic GC, N > 0 = GC off, gc.collect(1) every N steps "
                          "(unset: the config default)")  # fmt: skip
+    ap.add_argument("--host-threads", type=int, default=None,
+                    help="as runtime.host_threads: 0 = torch's thread count, N >= 1 = torch.set_num_threads(N) "
+                         "during the steps (unset: the config's auto, 1 on CUDA, torch's default on CPU)")  # fmt: skip
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--profile", type=int, default=0,
                     help="profile this many optimizer steps after the timed ones: print the top kernels / ops")  # fmt: skip
@@ -226,7 +232,8 @@ def main() -> None:
          f"runtime.compile={args.compile}", "data.dataset=<benchmark>", "telemetry.progress=false",
          f"runtime.compile_mode={args.compile_mode}", f"loss.fused_ce={str(args.fused_ce).lower()}",
          f"loss.chunk_tokens={args.chunk_tokens}", f"runtime.flex_block_size=[{args.flex_block}]",
-         *([f"runtime.gc_every={args.gc_every}"] if args.gc_every is not None else [])],
+         *([f"runtime.gc_every={args.gc_every}"] if args.gc_every is not None else []),
+         *([f"runtime.host_threads={args.host_threads}"] if args.host_threads is not None else [])],
     )  # fmt: skip
     prec = resolve_precision(cfg, device)
     target_device = resolve_target_device(args.target_device, device)
@@ -283,8 +290,11 @@ def main() -> None:
     wait = (lambda: sync_stream(device)) if queued else (lambda: sync(device))  # noqa: E731
     gc_pauses, host_blocks = GCPauses(), HostBlockTimer(trainer)
     gc.callbacks.append(gc_pauses)
-    # as Trainer.run applies runtime.gc_every (warm-up steps included: the run compiles inside it too)
-    with GCPolicy(cfg.runtime.gc_every) as gc_policy:
+    # as Trainer.run applies runtime.gc_every and runtime.host_threads (warm-up steps included: the run compiles
+    # inside them too)
+    threads = resolve_host_threads(cfg.runtime.host_threads, device)
+    with HostThreads(threads), GCPolicy(cfg.runtime.gc_every) as gc_policy:
+        torch_threads = torch.get_num_threads()
         for i in range(args.warmup_steps + args.steps):
             wait()
             t0 = time.perf_counter()
@@ -363,6 +373,8 @@ def main() -> None:
         # the host inside each drafter-step window: cyclic GC pauses (issue 5's slow-step hypothesis) and block
         # building (anchors + build_blocks); the highest GC generation collected there, null for none
         "gc_every": cfg.runtime.gc_every,
+        # runtime.host_threads resolved (0 = torch's count left alone) and torch's intra-op threads during the steps
+        "host_threads": {"setting": threads, "torch_threads": torch_threads},
         "gc_ms_per_step": [round(r["gc_ms"], 2) for r in rows],
         "gc_max_generation_per_step": [r["gc_gen"] for r in rows],
         # every collection in the process, warm-up and target pass included: generation -> [count, ms]

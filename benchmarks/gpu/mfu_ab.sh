@@ -24,11 +24,15 @@
 #             vs 4.5), not GC (allgc: no pauses); suspect: 16 OpenMP threads' barriers on tiny CPU tensors
 #             waiting for a descheduled thread
 #   all4t     all with OMP_NUM_THREADS=4
-# Every variant runs with --gc-every 0 (Python's automatic GC, as sessions 5-9 measured) unless it sets its own.
+#   allht     all + --host-threads 1 (runtime.host_threads's CUDA default: torch.set_num_threads(1) around the
+#             steps, as Trainer.run does; session 10's all1t fix in the config instead of the environment)
+# Every variant runs with --gc-every 0 (Python's automatic GC, as sessions 5-9 measured) and --host-threads 0
+# (torch's default intra-op threads, as sessions 5-10 measured) unless it sets its own.
 # PROFILE_VARIANT (default all) adds `--profile 2`: its top kernels land in the log.
 # Outputs: $OUT/mfu_ab.json (every variant's train_throughput JSON), $OUT/mfu_ab.log (every log),
 # $OUT/mfu_ab_table.txt ("slow steps": timed steps over 1.3 × the variant's median; "gc ms (max)": the host's
-# cyclic-GC pauses inside the drafter-step windows, summed over the timed steps, and the most in one step).
+# cyclic-GC pauses inside the drafter-step windows, summed over the timed steps, and the most in one step;
+# "threads": torch.get_num_threads() during the steps).
 # Wall: at most TOTAL_S (240) — the first variant compiles cold, the others reuse the inductor cache where
 # their graph is the same; order = priority (later ones are skipped when time runs out).
 set -uo pipefail
@@ -47,7 +51,8 @@ MIN_S=${MIN_S:-35}                  # no variant starts with less than this left
 if [ -n "${DRY:-}" ]; then
   # CPU: eager drafter and loss, dense mask (compile and flex apply on CUDA only): checks the plumbing, flags
   # and the table; 16 blocks a row keep the tiny steps short
-  BASE=(--device cpu --tiny --steps 2 --warmup-steps 1 --compile model,loss --blocks-per-row 16 --gc-every 0)
+  BASE=(--device cpu --tiny --steps 2 --warmup-steps 1 --compile model,loss --blocks-per-row 16 --gc-every 0
+        --host-threads 0)
 else
   # session 5's target: the bf16 HF copy (~2 s a load); not env.sh's GGUF fallback (~20-40 s a load, per variant)
   T=${MFU_TARGET:-/root/work/smollm2-bf16}
@@ -58,7 +63,7 @@ else
   # session 5 timed 12 steps after 5 warm-up ones; session 6 found that too few: the same code measured
   # 318 ms a drafter step after 5 warm-up steps and 146 ms after 15 (benchmarks/RESULTS.md, H200 session 6)
   BASE=(--target "$T" --steps ${STEPS:-25} --warmup-steps ${WARMUP:-15} --compile model,loss --blocks-per-row 1024
-        --gc-every 0)  # a variant's own --gc-every comes later on the line and wins
+        --gc-every 0 --host-threads 0)  # a variant's own --gc-every / --host-threads comes later and wins
 fi
 
 flags_of() {
@@ -71,6 +76,7 @@ flags_of() {
     cgraph) echo "--compile-mode reduce-overhead" ;;
     all) echo "--fused-ce --chunk-tokens 8192" ;;
     allgc) echo "--fused-ce --chunk-tokens 8192 --gc-every 50" ;;
+    allht) echo "--fused-ce --chunk-tokens 8192 --host-threads 1" ;;
     allcg) echo "--fused-ce --chunk-tokens 8192 --compile-mode reduce-overhead" ;;
     all1t|all4t) echo "--fused-ce --chunk-tokens 8192" ;;
     *) echo "unknown variant $1" >&2; return 1 ;;
@@ -111,7 +117,7 @@ for v in variants:
     j, rc = work / f"{v}.json", work / f"{v}.rc"
     if not j.exists():
         status = "skipped" if not rc.exists() else f"failed (exit {rc.read_text().strip()})"
-        rows.append(f"| {v} | {status} | | | | | | | | | |")
+        rows.append(f"| {v} | {status} | | | | | | | | | | |")
         continue
     r = json.loads(j.read_text())
     results[v] = r
@@ -123,14 +129,15 @@ for v in variants:
     slow = f"{sum(ms > 1.3 * median for ms in per)} / {len(per)}" if per else "-"
     gc_ms = r.get("gc_ms_per_step")  # absent in files from before the GC fields
     gc = f"{sum(gc_ms):.1f} ({max(gc_ms):.1f})" if gc_ms else "-"
+    threads = (r.get("host_threads") or {}).get("torch_threads", "-")  # absent before --host-threads
     rows.append(
-        f"| {v} | ok | {1e3 * r['drafter_s']:.1f} | {drift} | {slow} | {gc} | {1e3 * r['step_s']:.1f} | {100 * r['drafter_mfu']:.2f}% "
+        f"| {v} | ok | {1e3 * r['drafter_s']:.1f} | {drift} | {slow} | {gc} | {threads} | {1e3 * r['step_s']:.1f} | {100 * r['drafter_mfu']:.2f}% "
         f"| {r['drafter_tflops_per_s']:.1f} | {'%.2f' % peak if peak is not None else '-'} "
         f"| {r['loss_first_step']:.4f} / {r['loss_last_step']:.4f} |"
     )
 base = results.get("base")
-table = ["| variant | status | drafter step ms | first / last third ms | slow steps | gc ms (max) | full step ms | drafter MFU | TFLOP/s | peak GiB | loss first / last step |",
-         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|", *rows]
+table = ["| variant | status | drafter step ms | first / last third ms | slow steps | gc ms (max) | threads | full step ms | drafter MFU | TFLOP/s | peak GiB | loss first / last step |",
+         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|", *rows]
 if base:
     table.append("")
     table += [f"{v}: drafter step {r['drafter_s'] / base['drafter_s']:.3f}x base" for v, r in results.items() if v != "base"]

@@ -110,6 +110,12 @@ class RuntimeConfig:
     # (restored on exit). Automatic full collections over torch.compile's large heap can stall the host at random
     # steps (the suspect for issue 5's slow steps); safe on: a 300-step CPU run made no cyclic garbage (RSS flat)
     gc_every: int = 50
+    # torch's intra-op CPU threads during Trainer.run (flashdraft/train/host.py). None = auto: 1 when the drafter
+    # runs on CUDA (the host only queues kernels and builds small index tensors; with torch's one thread per core
+    # a descheduled thread stalls every tiny op's barrier: H200 session 10's slow steps, 0 with one thread), torch's
+    # default on CPU (the CPU trains with those threads); 0 = leave torch's setting alone; N >= 1 = N threads
+    # (torch.set_num_threads, the previous count restored on exit)
+    host_threads: int | None = None
 
     @property
     def compile_parts(self) -> set[str]:
@@ -241,6 +247,11 @@ class TrainConfig:
             raise ConfigError(
                 f"runtime.gc_every {self.runtime.gc_every} must be >= 0: 0 keeps Python's automatic GC, "
                 "N > 0 collects every N optimizer steps"
+            )
+        if self.runtime.host_threads is not None and self.runtime.host_threads < 0:
+            raise ConfigError(
+                f"runtime.host_threads {self.runtime.host_threads} must be >= 0 (or unset: 1 on CUDA): "
+                "0 keeps torch's thread count, N >= 1 sets it"
             )
         if self.runtime.attention not in ("auto", "flex", "dense"):
             raise ConfigError(f"runtime.attention {self.runtime.attention!r}: use auto, flex or dense")

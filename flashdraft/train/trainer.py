@@ -41,6 +41,7 @@ from flashdraft.train.checkpoint import (
 from flashdraft.train.config import TrainConfig, fused_ce_on
 from flashdraft.train.flops import step_flops, trainable_params
 from flashdraft.train.gc_policy import GCPolicy
+from flashdraft.train.host import HostThreads, resolve_host_threads
 from flashdraft.train.loss import loss_denominator, slot_weights
 from flashdraft.train.metrics import MetricsLogger
 from flashdraft.train.source import FeatureSource
@@ -258,7 +259,10 @@ class Trainer:
             bar = tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step", file=sys.stderr)
         interval = Interval(self.block_size, self.device)
         gc_policy = GCPolicy(cfg.runtime.gc_every)  # automatic GC off (gc_every > 0) until `finally`
+        # torch's intra-op threads (runtime.host_threads; auto: 1 on CUDA), restored in `finally`
+        threads = HostThreads(resolve_host_threads(cfg.runtime.host_threads, self.device))
         try:
+            threads.start()
             gc_policy.start()
             while self.step < self.total_steps:
                 micro = []
@@ -309,6 +313,7 @@ class Trainer:
                 self.save()
         finally:
             gc_policy.stop()
+            threads.stop()
             if bar is not None:
                 bar.close()
             if old_handler is not None:

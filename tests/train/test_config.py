@@ -65,6 +65,7 @@ def test_unknown_keys_and_bad_values_are_errors(overrides, message):
         (["data.dataset=x", "telemetry.peak_tflops=0"], "telemetry.peak_tflops 0.0 must be > 0"),
         (["data.dataset=x", "telemetry.peak_tflops=-790"], "telemetry.peak_tflops -790.0 must be > 0"),
         (["data.dataset=x", "runtime.gc_every=-1"], "runtime.gc_every -1 must be >= 0"),
+        (["data.dataset=x", "runtime.host_threads=-1"], "runtime.host_threads -1 must be >= 0"),
     ],
 )
 def test_validate_names_the_field(overrides, message):
