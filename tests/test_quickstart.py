@@ -135,8 +135,20 @@ def test_qs_screen_runs_the_builders_with_its_gpu_extras(
     )  # fmt: skip
     p = _parse(dump)
     assert (p["target"], p["dataset"], p["out"], p["layers"], p["yes"]) == (
-        target, str(work / "d300"), str(work / "f300"), "15", True
+        target, str(work / "d300"), str(work / "f300-l15"), "15", True
     )  # fmt: skip
     assert (p["device"], p["dtype"], p["target_dtype"], p["max_length"], p["token_budget"]) == (
         "cuda", "float32", "float32", 384, 1024
     )  # fmt: skip
+
+    # a variant that reads other target layers gets its own features dump; --eval-size picks the eval set
+    calls.clear()
+    monkeypatch.setattr(sys, "argv", ["qs_screen.py", "--prompts", str(tmp_path / "p"), "--work", str(work / "b"),
+                                      "--out", str(tmp_path / "out"), "--budget-s", "0", "--eval-size", "400",
+                                      "--variants", "base,d450-l2b3-1000-f27"])  # fmt: skip
+    screen.main()
+    outs = [str(_parse(c[len(fd) :])["out"]) for c in calls]
+    expect = [work / "b" / x for x in ("d300", "f300-l15", "d400", "d450", "f450-l27")]
+    assert outs == [str(x) for x in [*expect, tmp_path / "out" / "eval"]]
+    assert _parse(calls[4][len(fd) :])["layers"] == "27"
+    assert _parse(calls[-1][len(fd) :])["dataset"] == str(work / "b" / "d400")

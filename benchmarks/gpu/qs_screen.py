@@ -71,6 +71,40 @@ VARIANTS: dict[str, tuple[int, int, list[str]]] = {
     "d3000-3000": (3000, 3000, ["checkpoint.every=3000"]),
 }
 
+# Session 11: which target layers feed the 2-layer b3 drafter (the cpu-fp32 preset since session 8: feature layer
+# 15, drafter started from target layers 16-17) at the preset's CPU cost (450 prompts, 1,000 steps). A deeper
+# feature layer costs the CPU only a longer features pass; the drafter's step is the same.
+L2B3 = ["model.num_layers=2", "model.block_size=3"]
+VARIANTS |= {
+    f"d450-l2b3-1000{tag}": (450, 1000, [*L2B3, "checkpoint.every=1000", *extra])
+    for tag, extra in {
+        "-s2": ["runtime.seed=2"],
+        "-f27": ["model.target_layer_ids=[27]"],
+        "-f27-s1": ["model.target_layer_ids=[27]", "runtime.seed=1"],
+        "-f22": ["model.target_layer_ids=[22]"],
+        "-f15last": ["model.init_from_target=last"],
+        "-f15-27": ["model.target_layer_ids=[15,27]"],
+        "-f1-27": ["model.target_layer_ids=[1,27]"],
+        "-f8-15-22-27": ["model.target_layer_ids=[8,15,22,27]"],
+        "-f20": ["model.target_layer_ids=[20]"],
+        "-f25": ["model.target_layer_ids=[25]"],
+    }.items()
+}
+VARIANTS["d450-l1b3-1300-f28"] = (450, 1300, ["model.num_layers=1", "model.block_size=3", "checkpoint.every=1300",
+                                           "model.target_layer_ids=[28]"])  # fmt: skip
+
+
+def feature_layers(extra: list[str]) -> list[int]:
+    """The target layers a variant's drafter reads: its `model.target_layer_ids=[...]` override, else the base's."""
+    for kv in extra:
+        if kv.startswith("model.target_layer_ids="):
+            return [int(x) for x in kv.split("=", 1)[1].strip("[]").split(",")]
+    return list(SCREEN_BASE.target_layer_ids or [])
+
+
+def features_dir(work: Path, n: int, layers: list[int]) -> Path:
+    return work / f"f{n}-l{'-'.join(map(str, layers))}"
+
 
 def sh(args: list[str], log: Path) -> int:
     with log.open("a") as f:
@@ -91,6 +125,8 @@ def main() -> None:
     ap.add_argument("--parallel", type=int, default=5)
     ap.add_argument("--eval-prompts", type=int, default=60)
     ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--eval-size", type=int, default=None,
+                    help="evaluate on this prompt set's held-out split (default: the largest variant's; session 8: 3000)")  # fmt: skip
     a = ap.parse_args()
     t0 = time.time()
     a.work.mkdir(parents=True, exist_ok=True)
@@ -98,10 +134,11 @@ def main() -> None:
     log = a.out / "screen.log"
     fd = [sys.executable, "-m", "flashdraft.cli"]
     names = [n for n in a.variants.split(",") if n]
-    sizes_needed = sorted({VARIANTS[n][0] for n in names} | {max(VARIANTS[n][0] for n in names)})
+    eval_size = a.eval_size or max(VARIANTS[n][0] for n in names)
+    sizes_needed = sorted({VARIANTS[n][0] for n in names} | {eval_size})
     base = SCREEN_BASE
     for n in sizes_needed:  # the quickstart's data and features commands, on the GPU in float32
-        data, feats = a.work / f"d{n}", a.work / f"f{n}"
+        data = a.work / f"d{n}"
         if not (data / "manifest.json").is_file():
             with gzip.open(
                 a.prompts / "p3000.jsonl.gz", "rt"
@@ -110,11 +147,12 @@ def main() -> None:
             regen = regenerate_args(base, a.work / f"p{n}.jsonl", data, "cuda", "float32", batch_size=512,
                                     target=a.target, extra=["--engine", "native", "--contamination", a.contamination])  # fmt: skip
             sh([*fd, *regen], log)
-        if not (feats / "manifest.json").is_file():
-            sh(
-                [*fd, *features_args(base, data, feats, "cuda", "float32", target=a.target, extra=["--yes"])],
-                log,
-            )
+        for layers in sorted({tuple(feature_layers(VARIANTS[v][2])) for v in names if VARIANTS[v][0] == n}):
+            feats = features_dir(a.work, n, list(layers))
+            if not (feats / "manifest.json").is_file():
+                sizes = dataclasses.replace(base, target_layer_ids=list(layers))
+                dump = features_args(sizes, data, feats, "cuda", "float32", target=a.target, extra=["--yes"])
+                sh([*fd, *dump], log)
     print(f"data + features: {time.time() - t0:.0f} s", flush=True)
 
     # the CPU's code paths: eager drafter, dense bool mask, log_softmax CE, float32 target head
@@ -135,7 +173,8 @@ def main() -> None:
             sizes = dataclasses.replace(base, steps=steps)
             run = a.work / "runs" / name
             args = [*fd, "train", str(CONFIG),
-                    *train_overrides(sizes, run, a.work / f"d{n}", a.work / f"f{n}", "cuda"), *cpu_like, *extra]  # fmt: skip
+                    *train_overrides(sizes, run, a.work / f"d{n}", features_dir(a.work, n, feature_layers(extra)), "cuda"),
+                    *cpu_like, *extra]  # fmt: skip
             f = (a.out / f"train-{name}.log").open("w")
             f.write("$ " + " ".join(args) + "\n")
             f.flush()
@@ -158,8 +197,7 @@ def main() -> None:
         time.sleep(1)
 
     drafters = [a.work / "runs" / n for n in names if ran(n)]
-    biggest = max(VARIANTS[n][0] for n in names)
-    cmd = [*fd, "eval", "--target", a.target, "--dataset", str(a.work / f"d{biggest}"),
+    cmd = [*fd, "eval", "--target", a.target, "--dataset", str(a.work / f"d{eval_size}"),
            "--limit", str(a.eval_prompts), "--max-new-tokens", str(base.eval_tokens), "--budgets", "8,32",
            "--device", "cuda", "--dtype", "float32", "--no-progress", "--out", str(a.out / "eval")]  # fmt: skip
     for d in drafters:
