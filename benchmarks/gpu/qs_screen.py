@@ -88,6 +88,11 @@ VARIANTS |= {
         "-f8-15-22-27": ["model.target_layer_ids=[8,15,22,27]"],
         "-f20": ["model.target_layer_ids=[20]"],
         "-f25": ["model.target_layer_ids=[25]"],
+        # shallower features: a cheaper features pass on the CPU (layer 8 runs 9 of the 30 layers, 15 runs 16)
+        "-f5": ["model.target_layer_ids=[5]"],
+        "-f8": ["model.target_layer_ids=[8]"],
+        "-f10": ["model.target_layer_ids=[10]"],
+        "-f12": ["model.target_layer_ids=[12]"],
     }.items()
 }
 VARIANTS["d450-l1b3-1300-f28"] = (450, 1300, ["model.num_layers=1", "model.block_size=3", "checkpoint.every=1300",
