@@ -145,10 +145,14 @@ def test_qs_screen_runs_the_builders_with_its_gpu_extras(
     calls.clear()
     monkeypatch.setattr(sys, "argv", ["qs_screen.py", "--prompts", str(tmp_path / "p"), "--work", str(work / "b"),
                                       "--out", str(tmp_path / "out"), "--budget-s", "0", "--eval-size", "400",
-                                      "--variants", "base,d450-l2b3-1000-f27"])  # fmt: skip
+                                      "--variants", "base,d450-l2b3-1000-f27,d900m48-l2b3-1000"])  # fmt: skip
     screen.main()
     outs = [str(_parse(c[len(fd) :])["out"]) for c in calls]
-    expect = [work / "b" / x for x in ("d300", "f300-l15", "d400", "d450", "f450-l27")]
+    expect = [
+        work / "b" / x for x in ("d300", "f300-l15", "d400", "d450", "f450-l27", "d900-m48", "f900-m48-l15")
+    ]
     assert outs == [str(x) for x in [*expect, tmp_path / "out" / "eval"]]
     assert _parse(calls[4][len(fd) :])["layers"] == "27"
+    assert _parse(calls[5][len(fd) :])["max_new_tokens"] == 48  # shorter answers for that variant's data only
+    assert _parse(calls[3][len(fd) :])["max_new_tokens"] == 96
     assert _parse(calls[-1][len(fd) :])["dataset"] == str(work / "b" / "d400")

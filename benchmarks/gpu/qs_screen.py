@@ -71,6 +71,8 @@ VARIANTS: dict[str, tuple[int, int, list[str]]] = {
     "d3000-3000": (3000, 3000, ["checkpoint.every=3000"]),
 }
 
+REGEN_TOKENS = "regen.max_new_tokens="  # not a train override: the variant's data answers this many tokens
+
 # Session 11: which target layers feed the 2-layer b3 drafter (the cpu-fp32 preset since session 8: feature layer
 # 15, drafter started from target layers 16-17) at the preset's CPU cost (450 prompts, 1,000 steps). A deeper
 # feature layer costs the CPU only a longer features pass; the drafter's step is the same.
@@ -95,8 +97,23 @@ VARIANTS |= {
         "-f12": ["model.target_layer_ids=[12]"],
     }.items()
 }
+# the same decode steps of regeneration spread over more prompts (shorter answers: more contexts per CPU minute)
+VARIANTS["d900m48-l2b3-1000"] = (900, 1000, [*L2B3, "checkpoint.every=1000", f"{REGEN_TOKENS}48"])
+VARIANTS["d675m64-l2b3-1000"] = (675, 1000, [*L2B3, "checkpoint.every=1000", f"{REGEN_TOKENS}64"])
+VARIANTS["d1350m32-l2b3-1000"] = (1350, 1000, [*L2B3, "checkpoint.every=1000", f"{REGEN_TOKENS}32"])
 VARIANTS["d450-l1b3-1300-f28"] = (450, 1300, ["model.num_layers=1", "model.block_size=3", "checkpoint.every=1300",
                                            "model.target_layer_ids=[28]"])  # fmt: skip
+
+
+def answer_tokens(extra: list[str]) -> int:
+    """The regenerated answers' length for a variant: its `regen.max_new_tokens=N`, else the base's."""
+    given = [int(kv[len(REGEN_TOKENS) :]) for kv in extra if kv.startswith(REGEN_TOKENS)]
+    return given[-1] if given else SCREEN_BASE.max_new_tokens
+
+
+def data_name(n: int, answer: int) -> str:
+    """`d{name}` holds the data and `f{name}-l…` the features: "450", or "900-m48" for 48-token answers."""
+    return str(n) if answer == SCREEN_BASE.max_new_tokens else f"{n}-m{answer}"
 
 
 def feature_layers(extra: list[str]) -> list[int]:
@@ -107,8 +124,8 @@ def feature_layers(extra: list[str]) -> list[int]:
     return list(SCREEN_BASE.target_layer_ids or [])
 
 
-def features_dir(work: Path, n: int, layers: list[int]) -> Path:
-    return work / f"f{n}-l{'-'.join(map(str, layers))}"
+def features_dir(work: Path, key: str, layers: list[int]) -> Path:
+    return work / f"f{key}-l{'-'.join(map(str, layers))}"
 
 
 def sh(args: list[str], log: Path) -> int:
@@ -140,20 +157,24 @@ def main() -> None:
     fd = [sys.executable, "-m", "flashdraft.cli"]
     names = [n for n in a.variants.split(",") if n]
     eval_size = a.eval_size or max(VARIANTS[n][0] for n in names)
-    sizes_needed = sorted({VARIANTS[n][0] for n in names} | {eval_size})
     base = SCREEN_BASE
-    for n in sizes_needed:  # the quickstart's data and features commands, on the GPU in float32
-        data = a.work / f"d{n}"
+    datasets = {(VARIANTS[v][0], answer_tokens(VARIANTS[v][2])) for v in names}
+    datasets.add((eval_size, base.max_new_tokens))
+    for n, m in sorted(datasets):  # the quickstart's data and features commands, on the GPU in float32
+        key = data_name(n, m)
+        data = a.work / f"d{key}"
         if not (data / "manifest.json").is_file():
             with gzip.open(
                 a.prompts / "p3000.jsonl.gz", "rt"
             ) as f:  # the first N lines = write_first_turns(N)
                 (a.work / f"p{n}.jsonl").write_text("".join(f.readlines()[:n]))
-            regen = regenerate_args(base, a.work / f"p{n}.jsonl", data, "cuda", "float32", batch_size=512,
-                                    target=a.target, extra=["--engine", "native", "--contamination", a.contamination])  # fmt: skip
+            regen = regenerate_args(dataclasses.replace(base, max_new_tokens=m), a.work / f"p{n}.jsonl", data, "cuda",
+                                    "float32", batch_size=512, target=a.target,
+                                    extra=["--engine", "native", "--contamination", a.contamination])  # fmt: skip
             sh([*fd, *regen], log)
-        for layers in sorted({tuple(feature_layers(VARIANTS[v][2])) for v in names if VARIANTS[v][0] == n}):
-            feats = features_dir(a.work, n, list(layers))
+        for layers in sorted({tuple(feature_layers(VARIANTS[v][2])) for v in names
+                              if (VARIANTS[v][0], answer_tokens(VARIANTS[v][2])) == (n, m)}):  # fmt: skip
+            feats = features_dir(a.work, key, list(layers))
             if not (feats / "manifest.json").is_file():
                 sizes = dataclasses.replace(base, target_layer_ids=list(layers))
                 dump = features_args(sizes, data, feats, "cuda", "float32", target=a.target, extra=["--yes"])
@@ -177,9 +198,10 @@ def main() -> None:
             n, steps, extra = VARIANTS[name]
             sizes = dataclasses.replace(base, steps=steps)
             run = a.work / "runs" / name
-            args = [*fd, "train", str(CONFIG),
-                    *train_overrides(sizes, run, a.work / f"d{n}", features_dir(a.work, n, feature_layers(extra)), "cuda"),
-                    *cpu_like, *extra]  # fmt: skip
+            key = data_name(n, answer_tokens(extra))
+            feats = features_dir(a.work, key, feature_layers(extra))
+            args = [*fd, "train", str(CONFIG), *train_overrides(sizes, run, a.work / f"d{key}", feats, "cuda"),
+                    *cpu_like, *[kv for kv in extra if not kv.startswith(REGEN_TOKENS)]]  # fmt: skip
             f = (a.out / f"train-{name}.log").open("w")
             f.write("$ " + " ".join(args) + "\n")
             f.flush()
