@@ -57,6 +57,12 @@ def register(app: typer.Typer) -> None:
             "over transformers' forward), 'hf' (transformers generate), or 'auto': native on CUDA where the "
             "family allows, else loop (on CPU too: 86 tok/s vs hf's 21 on 2 cores, benchmarks/RESULTS.md)",
         ),
+        loop_groups: int = typer.Option(
+            0,
+            min=0,
+            help="loop engine, greedy, Llama family: batches decoded together, the same ids as one at a time "
+            "(flashdraft/data/grouped.py); 0 = auto: 5 on CPU, 1 elsewhere",
+        ),  # fmt: skip
         server: str | None = typer.Option(None, help="OpenAI-compatible server URL: generate there instead"),
         server_model: str | None = typer.Option(None, help="model name on the server (default: its first)"),
         concurrency: int = typer.Option(64, help="client mode: requests in flight"),
@@ -113,8 +119,14 @@ def register(app: typer.Typer) -> None:
                 from flashdraft.decode.native import native_support_error
 
                 engine = "native" if t.device.type == "cuda" and not native_support_error(t) else "loop"
+            groups = loop_groups or (5 if t.device.type == "cpu" else 1)
             gen = LocalGenerator(
-                t, params, engine=engine, batch_size=batch_size, max_batch_tokens=max_batch_tokens
+                t,
+                params,
+                engine=engine,
+                batch_size=batch_size,
+                max_batch_tokens=max_batch_tokens,
+                groups=groups,
             )
         import sys
 

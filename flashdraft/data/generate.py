@@ -7,7 +7,8 @@
 Local engines: "native" — continuous batching over a static KV cache on the target's own layers
 (`flashdraft.decode.native.BatchedNativeTarget`; Llama / Qwen2 / Qwen3 / Mistral), the fast path on a GPU;
 "loop" — our batched greedy/sampling loop over `TargetModel.forward` (left padding,
-one host sync every `sync_every` steps to stop early, per-row position ids); "hf" — transformers'
+one host sync every `sync_every` steps to stop early and drop finished rows, per-row position ids; with
+`groups` > 1 and greedy, that many batches share each decode step, flashdraft/data/grouped.py); "hf" — transformers'
 `generate` (static cache on CUDA). Prompts are sorted by length and cut into batches of at most
 `batch_size` rows and `max_batch_tokens` (rows × (longest prompt + max_new_tokens)) tokens.
 Results come back in the order of the prompts, and depend only on the prompts and the seed.
@@ -25,7 +26,7 @@ from typing import Any, Protocol
 
 import torch
 
-from flashdraft.cache import new_cache
+from flashdraft.cache import new_cache, select_rows
 from flashdraft.target import TargetModel
 
 log = logging.getLogger("flashdraft.data")
@@ -79,11 +80,35 @@ def _pad_rows(prompts: list[list[int]], width: int, pad: int, *, left: bool) -> 
     return ids
 
 
+# Dropping finished rows changes the matmuls' row count M. On session 11's 2-core AVX2 CPU (torch 2.13, float32)
+# a row's product is bit-identical for M in {4, 8} and every M >= 12, and differs for M in {1, 2, 3, 5, 6, 7, 9,
+# 10, 11} (another kernel), so rows are dropped in groups of ROW_QUANTUM and only from batches of such sizes.
+ROW_QUANTUM = 4
+
+
+def _compactable(b: int) -> bool:
+    return b % ROW_QUANTUM == 0 or b >= 3 * ROW_QUANTUM
+
+
+def _rows_to_keep(done: torch.Tensor, live: int) -> torch.Tensor | None:
+    """Indices [m] of the batch rows to keep — every live row, topped up with finished ones to a multiple of
+    ROW_QUANTUM, in batch order — or None when that would not drop any row."""
+    m = -(-live // ROW_QUANTUM) * ROW_QUANTUM
+    if m >= done.shape[0]:
+        return None
+    return torch.argsort(done.to(torch.int8), stable=True)[:m].sort().values
+
+
 @torch.inference_mode()
 def loop_generate(
-    target: TargetModel, prompts: list[list[int]], params: GenerationParams, seed: int, sync_every: int = 8
-) -> list[Generation]:
-    """One batch: left-padded prefill, then one token per step for every row until all stopped."""
+    target: TargetModel, prompts: list[list[int]], params: GenerationParams, seed: int, sync_every: int = 8,
+    drop_finished: bool = True,
+) -> list[Generation]:  # fmt: skip
+    """One batch: left-padded prefill, then one token per step for every unfinished row until all stopped.
+
+    Greedy, every `sync_every` steps, finished rows leave the batch (`drop_finished`; not when sampling,
+    whose random draws depend on the row count), and the K/V cache is written in place (`new_cache(capacity)`):
+    the same ids as the whole batch to the end (benchmarks/RESULTS.md, "Regeneration on the 2-core CPU")."""
     dev = target.device
     b = len(prompts)
     lens = torch.tensor([len(p) for p in prompts], device=dev)  # [b]
@@ -97,20 +122,28 @@ def loop_generate(
     pos = (attn[:, :P].cumsum(-1) - 1).clamp(min=0)  # [b, P]
     stop = torch.tensor(params.stop_ids or [-1], device=dev)
     gen = torch.Generator(device=dev).manual_seed(seed) if params.temperature > 0 else None
-    cache = new_cache()
+    drop = drop_finished and params.temperature <= 0 and _compactable(b)
+    cache = new_cache(capacity=P + params.max_new_tokens)
     out = target.forward(ids, attention_mask=attn[:, :P], position_ids=pos, cache=cache, logits="last")
-    nxt = _choose(out.logits[:, -1], params, gen)  # [b]
+    nxt = _choose(out.logits[:, -1], params, gen)  # [m] for the m rows still in the batch (m = b at first)
     tokens = torch.full((b, params.max_new_tokens), pad, dtype=torch.long, device=dev)  # [b, N]
-    done = torch.zeros(b, dtype=torch.bool, device=dev)
+    row = torch.arange(b, device=dev)  # [m] each batch row's index among the prompts
+    done = torch.zeros(b, dtype=torch.bool, device=dev)  # [m]
     n = params.max_new_tokens
     for t in range(params.max_new_tokens):
-        tokens[:, t] = nxt
+        tokens[row, t] = nxt
         done |= torch.isin(nxt, stop)
         if t + 1 == params.max_new_tokens:
             break
-        if (t + 1) % sync_every == 0 and bool(done.all()):  # host sync: only every `sync_every` steps
-            n = t + 1
-            break
+        if (t + 1) % sync_every == 0:  # host sync: only every `sync_every` steps
+            live = int((~done).sum())
+            if live == 0:
+                n = t + 1
+                break
+            keep = _rows_to_keep(done, live) if drop else None
+            if keep is not None:  # rows past their stop token leave; their tokens are cut there anyway
+                row, nxt, done, lens, attn = row[keep], nxt[keep], done[keep], lens[keep], attn[keep]
+                select_rows(cache, keep)
         attn[:, P + t] = 1
         out = target.forward(
             nxt[:, None], attention_mask=attn[:, : P + t + 1], position_ids=(lens + t)[:, None], cache=cache,
@@ -289,11 +322,15 @@ class LocalGenerator:
         engine: str = "loop",
         batch_size: int = 64,
         max_batch_tokens: int | None = None,
+        groups: int = 1,
     ) -> None:
         if engine not in ("native", "loop", "hf"):
             raise ValueError(f"unknown engine {engine!r}: use 'native', 'loop' or 'hf'")
         self.target, self.params, self.engine = target, params, engine
         self.batch_size, self.max_batch_tokens = batch_size, max_batch_tokens
+        self.groups = (
+            groups  # loop engine: batches decoded together (flashdraft/data/grouped.py); 1 = one at a time
+        )
 
     @property
     def follows_up(self) -> bool:
@@ -311,10 +348,30 @@ class LocalGenerator:
         if follow:
             raise ValueError(f"engine {self.engine!r} does not take follow-up prompts (only 'native' does)")
         out: list[Generation | None] = [None] * len(prompts)
+        from flashdraft.data.grouped import grouped_generate, grouped_support_error
+
         fn = loop_generate if self.engine == "loop" else hf_generate
         batches = plan_batches(
             [len(p) for p in prompts], self.batch_size, self.max_batch_tokens, self.params.max_new_tokens
         )
+        if (
+            self.engine == "loop"
+            and self.groups > 1
+            and grouped_support_error(self.target, self.params) is None
+        ):
+            # the same ids as one batch at a time (flashdraft/data/grouped.py), fewer passes over the weights
+
+            def done(k: int, res: list[Generation]) -> None:
+                for i, g in zip(batches[k], res, strict=True):
+                    out[i] = g
+                if on_batch is not None:
+                    on_batch(res)
+
+            grouped_generate(
+                self.target, [[prompts[i] for i in idx] for idx in batches], self.params, groups=self.groups,
+                on_batch=done,
+            )  # fmt: skip
+            return out  # type: ignore[return-value]
         for k, idx in enumerate(batches):
             res = fn(self.target, [prompts[i] for i in idx], self.params, seed * 100_003 + k)
             for i, g in zip(idx, res, strict=True):
