@@ -246,11 +246,22 @@ def register(app: typer.Typer) -> None:
         prompts: int | None = typer.Option(None, help="override: ShareGPT prompts to regenerate"),
         steps: int | None = typer.Option(None, help="override: optimizer steps"),
         threads: int | None = typer.Option(None, help="torch CPU threads for every stage"),
+        preset: str | None = typer.Option(
+            None,
+            help="sizes: cpu (a CPU with native bf16) | cpu-fp32 | cuda; default: from --device and the CPU",
+        ),
     ) -> None:
         """Regenerate data, train a small drafter and evaluate it on the default target (SmolLM2)."""
         import os
 
-        preset = preset_for(device)
+        if preset is not None and preset not in SIZES:
+            raise typer.BadParameter(f"{preset!r}: use one of {', '.join(SIZES)}", param_hint="--preset")
+        why = (
+            " (--preset)"
+            if preset
+            else {"cpu-fp32": " (this CPU has no native bf16)"}.get(preset_for(device), "")
+        )
+        preset = preset or preset_for(device)
         sizes = dataclasses.replace(SIZES[preset])
         if prompts is not None:
             sizes.prompts = prompts
@@ -263,7 +274,6 @@ def register(app: typer.Typer) -> None:
         dtype = sizes.dtype
         log: list[str] = []
         t0 = time.perf_counter()
-        why = {"cpu-fp32": " (this CPU has no native bf16)"}.get(preset, "")
         typer.secho(f"quickstart in {work}/ on {device}, sizes {preset!r}{why}: {sizes}", fg="cyan")
         if not (data / "manifest.json").is_file():
             first_turns = work / "prompts.jsonl"

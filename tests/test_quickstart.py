@@ -91,6 +91,31 @@ def test_quickstart_data_and_features_stages_come_from_the_builders(
         assert p["layers"] is None and p["drafter_layers"] == sizes.layers
 
 
+def test_quickstart_preset_overrides_the_cpu_detection(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--preset cpu-fp32 on a bf16 CPU runs the float32 sizes (and says why); an unknown preset is refused."""
+    from typer.testing import CliRunner
+
+    import flashdraft.quickstart as qs
+    from flashdraft.cli import app
+
+    ran: list[list[str]] = []
+    monkeypatch.setattr(qs, "_run", lambda args, log: ran.append(list(args)))
+    monkeypatch.setattr(qs, "write_first_turns", lambda path, n: None)
+    monkeypatch.setattr(qs, "cpu_has_native_bf16", lambda: True)
+    r = CliRunner().invoke(app, ["quickstart", "--work", str(tmp_path / "w"), "--preset", "cpu-fp32"])
+    assert r.exit_code == 0, r.output
+    assert "sizes 'cpu-fp32' (--preset)" in r.output
+    fp32 = SIZES["cpu-fp32"]
+    assert ran[0] == regenerate_args(
+        fp32, tmp_path / "w" / "prompts.jsonl", tmp_path / "w" / "data", "cpu", "float32"
+    )
+    r = CliRunner().invoke(app, ["quickstart", "--work", str(tmp_path / "v"), "--preset", "gpu"])
+    assert r.exit_code != 0 and "'gpu': use one of cpu, cuda, cpu-fp32" in r.output
+    assert not (tmp_path / "v").exists()
+
+
 def test_qs_screen_runs_the_builders_with_its_gpu_extras(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
