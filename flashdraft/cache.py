@@ -89,9 +89,11 @@ def _preallocated_layer(capacity: int) -> Any:
     return _preallocated_layer_class()(capacity)
 
 
-def cache_keyword(model: torch.nn.Module) -> str:
-    """`cache` (transformers >= 5.2x) or `past_key_values` (earlier), read off the forward signature."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+def cache_keyword(fn: Any) -> str:
+    """`cache` (transformers >= 5.2x) or `past_key_values` (earlier), read off the signature of `fn` (a model,
+    whose forward is read, or a function such as transformers' `create_causal_mask`)."""
+    fn = fn.forward if isinstance(fn, torch.nn.Module) else fn
+    return "cache" if "cache" in inspect.signature(fn).parameters else "past_key_values"
 
 
 def _layers(cache: Any) -> list[Any]:

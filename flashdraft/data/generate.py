@@ -80,7 +80,7 @@ def _pad_rows(prompts: list[list[int]], width: int, pad: int, *, left: bool) -> 
     return ids
 
 
-# Dropping finished rows changes the matmuls' row count M. On session 11's 2-core AVX2 CPU (torch 2.13, float32)
+# Dropping finished rows changes the matmuls' row count M. On session 11's 2-core AVX-512 CPU (torch 2.13, float32)
 # a row's product is bit-identical for M in {4, 8} and every M >= 12, and differs for M in {1, 2, 3, 5, 6, 7, 9,
 # 10, 11} (another kernel), so rows are dropped in groups of ROW_QUANTUM and only from batches of such sizes.
 ROW_QUANTUM = 4

@@ -3,7 +3,7 @@
     outs = grouped_generate(target, batches, params, groups=5)   # one list of Generation per batch
 
 On a CPU a decode step streams every weight of the target from memory whatever the row count, and small
-row counts run the matmuls below their best rate (SmolLM2, 2-core AVX2, ~250 cached positions: a step of
+row counts run the matmuls below their best rate (SmolLM2, 2-core AVX-512 EPYC, ~250 cached positions: a step of
 1 row 55 ms, 32 rows 168 ms, 64 rows 262 ms, 96 rows 345 ms).
 So up to `groups` batches share each step: the projections, MLP and LM head run once over all their rows,
 while attention runs per batch over that batch's own cache, padding and mask, built by the same
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flashdraft.cache import new_cache, select_rows
+from flashdraft.cache import cache_keyword, new_cache, select_rows
 from flashdraft.data.generate import (
     Generation,
     GenerationParams,
@@ -125,11 +125,12 @@ def grouped_step(target: TargetModel, batches: list[_Batch]) -> list[torch.Tenso
     pos = torch.cat([g.lens + g.t - 1 for g in batches])[:, None]  # [M, 1]: the token recorded last
     h = inner.embed_tokens(ids)  # [M, 1, H]
     cos, sin = inner.rotary_emb(h, position_ids=pos)  # [M, 1, hd]
+    kw = cache_keyword(create_causal_mask)  # `cache=` since transformers 5.2x, `past_key_values=` before
     masks = []
     for g, part, p in zip(batches, h.split(sizes), pos.split(sizes), strict=True):
         g.attn[:, g.P + g.t - 1] = 1
         masks.append(create_causal_mask(config=cfg, inputs_embeds=part, attention_mask=g.attn[:, : g.P + g.t],
-                                        cache=g.cache, position_ids=p))  # fmt: skip
+                                        position_ids=p, **{kw: g.cache}))  # fmt: skip
     for i, layer in enumerate(target.layers):
         attn = layer.self_attn
         x = layer.input_layernorm(h)

@@ -105,3 +105,17 @@ def test_grouped_support():
     # LocalGenerator falls back to one batch at a time where grouping does not apply
     out = LocalGenerator(tiny_target("qwen3"), params, batch_size=2, groups=3).generate([[3, 4], [5]], seed=0)
     assert [len(g.ids) for g in out] == [4, 4]
+
+
+def test_cache_keyword_reads_either_transformers_spelling():
+    """transformers 5.2x passes the cache as `cache=`, 5.17 (the GPU image) as `past_key_values=`: the grouped
+    step's `create_causal_mask` call and TargetModel's forward read the spelling off the signature."""
+    from flashdraft.cache import cache_keyword
+
+    def mask_new(config, inputs_embeds, attention_mask, cache, position_ids=None): ...
+
+    def mask_old(config, inputs_embeds, attention_mask, past_key_values, position_ids=None): ...
+
+    assert (cache_keyword(mask_new), cache_keyword(mask_old)) == ("cache", "past_key_values")
+    target = tiny_target("llama")
+    assert cache_keyword(target.model) in ("cache", "past_key_values")
