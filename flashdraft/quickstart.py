@@ -1,6 +1,6 @@
 """`flashdraft quickstart`: the whole loop on the embedded default target, with flashdraft's own commands.
 
-    flashdraft quickstart                       # CPU, 14–17 minutes on 2 cores (measured)
+    flashdraft quickstart                       # CPU, 14–20 minutes on 2 cores (measured; 20 at most)
     flashdraft quickstart --device cuda         # larger sizes on a GPU
 
 Stages (each one a real `flashdraft` command, printed before it runs, with its own progress bar):
@@ -50,6 +50,9 @@ class QuickstartSizes:
     gamma: float | None  # loss decay over slots (None: the paper's per-B default)
     init_from_target: str  # model.init_from_target: none | last | next (start from target layers)
     train_minutes: float | None  # training stops here even before `steps` (keeps the whole run in budget)
+    # the whole run's minutes: training gets at most what the data and features stages left of them, less
+    # EVAL_RESERVE_MIN for the two evals (a slower machine trains fewer steps instead of running over)
+    total_minutes: float | None
     eval_prompts: int  # held-out ShareGPT prompts and HumanEval problems, each
     eval_tokens: int  # reference length
     budgets: str
@@ -59,31 +62,33 @@ class QuickstartSizes:
 
 
 SIZES = {
-    # CPU: 16.8 minutes measured end to end on an idle 2-core CPU with an empty cache (benchmarks/RESULTS.md,
-    # "Quickstart on the 2-core CPU (session 6)": data 354 s (323 tok/s), features 91 s with the bf16 target,
-    # train 390 s (all 1,400 steps, 0.27 s each), eval 75 + 95 s). bf16 on this CPU (AVX512-BF16): the target
-    # regenerates and dumps features in bf16, training runs autocast with fp32 master weights, the eval stays
-    # float32. The lm_head over 49K tokens costs the same for every labelled slot, so a b4 drafter with the loss
-    # on the first slots (γ = 1) trains more anchors per minute than b8/b16. Started from target layers 16–19
-    # (init_from_target=next after feature layer 15): better than random init and than 1 layer at equal steps.
-    # Answers stop at 96 tokens, the eval's reference length. Held-out chain τ 1.43 (12 prompts; 1.47 in a run
-    # stopped at 1,204 steps; session 5's 720 prompts and 1,200 steps: 1.43): with 1,062 training samples the
-    # training slot-1 accuracy (0.41–0.45) no longer runs far ahead of the held-out one (0.34–0.38).
+    # CPU with native bf16 (AVX512-BF16 / AMX): the target regenerates and dumps features in bf16, training runs
+    # autocast with fp32 master weights, the eval stays float32. A 2-layer b3 drafter started from target layers
+    # 16–17 (init_from_target=next after feature layer 15; γ = 1: the lm_head over 49K tokens costs the same
+    # for every labelled slot, so few slots and many anchors): at equal CPU minutes it beats session 6's 4-layer
+    # b4 (H200 screens, benchmarks/RESULTS.md "H200 session 8" / "H200 session 11": with 1,500 prompts, 2,800
+    # steps of it give held-out chain τ 1.49–1.50 on 60 prompts against 1.46 for 1,400 steps of the 4-layer b4;
+    # which target layer feeds it does not matter). Session 11's 2-core AVX512-BF16 EPYC, idle, empty cache
+    # (RESULTS "Quickstart on the 2-core CPU (session 11)"): these sizes 17.2 min end to end (data 402 s,
+    # features 121 s, train 422 s = all 2,200 steps at 0.19 s, eval 44 + 45 s), held-out chain τ 1.49 (12
+    # prompts), DDTree-8 1.81; the old 4-layer b4 sizes 18.0 min, chain 1.45; 2,739 steps (8.5-min limit)
+    # 18.2 min, chain 1.47 — the 12 prompts' noise is ±0.03. Answers stop at 96 tokens, the eval's length.
     "cpu": QuickstartSizes(
         prompts=1500,
         max_new_tokens=96,
         regen_batch=64,
         max_length=384,
-        layers=4,
+        layers=2,
         target_layer_ids=[15],
-        block_size=4,
-        steps=1400,
+        block_size=3,
+        steps=2200,
         token_budget=1024,
         max_anchors=16,
         lr=4e-3,
         gamma=1.0,
         init_from_target="next",
         train_minutes=7.5,
+        total_minutes=20.0,
         eval_prompts=12,
         eval_tokens=96,
         budgets="8,32",
@@ -104,6 +109,7 @@ SIZES = {
         gamma=None,
         init_from_target="none",  # not measured on a GPU run yet; the paper trains from scratch
         train_minutes=None,
+        total_minutes=None,
         eval_prompts=50,
         eval_tokens=256,
         budgets="8,16,32,64,128,256,512",
@@ -123,9 +129,23 @@ SIZES = {
 # End to end on that CPU, idle, empty cache: 14.2 minutes (data 360 s, features 75 s, train 310 s = all 1,000
 # steps, eval 55 + 51 s with batched references), held-out chain τ 1.38 (12 prompts; DDTree-8 1.63).
 SIZES["cpu-fp32"] = dataclasses.replace(
-    SIZES["cpu"], prompts=450, regen_batch=32, layers=2, block_size=3, steps=1000, train_minutes=6.0,
+    SIZES["cpu"], prompts=450, regen_batch=32, steps=1000, train_minutes=6.0,
     dtype="float32",
 )  # fmt: skip
+
+
+# the CPU evals (held-out ShareGPT and HumanEval, 12 prompts each, both drafters): 89 s on session 11's 2-core
+# AVX512-BF16 CPU, 106 s on session 8's AVX2 one (benchmarks/RESULTS.md)
+EVAL_RESERVE_MIN = 2.0
+
+
+def train_minutes_for(sizes: QuickstartSizes, elapsed_min: float) -> float | None:
+    """The training stage's time limit: `sizes.train_minutes`, cut to what `sizes.total_minutes` leaves after
+    `elapsed_min` (data and features) and EVAL_RESERVE_MIN; at least one minute."""
+    if sizes.total_minutes is None:
+        return sizes.train_minutes
+    left = max(1.0, round(sizes.total_minutes - elapsed_min - EVAL_RESERVE_MIN, 1))
+    return left if sizes.train_minutes is None else min(sizes.train_minutes, left)
 
 
 def cpu_has_native_bf16() -> bool:
@@ -281,7 +301,15 @@ def register(app: typer.Typer) -> None:
             _run(regenerate_args(sizes, first_turns, data, device, dtype), log)
         if not (feats / "manifest.json").is_file():
             _run(features_args(sizes, data, feats, device, dtype), log)
-        overrides = train_overrides(sizes, run, data, feats, device)
+        train_min = train_minutes_for(sizes, (time.perf_counter() - t0) / 60)
+        if train_min != sizes.train_minutes:
+            typer.secho(
+                f"training limited to {train_min} min to keep the run within {sizes.total_minutes:g}",
+                fg="cyan",
+            )
+        overrides = train_overrides(
+            dataclasses.replace(sizes, train_minutes=train_min), run, data, feats, device
+        )
         if not (run / "checkpoints").is_dir():  # a rerun evaluates what the first run trained
             _run(["train", str(CONFIG), *overrides], log)
         drafters = ["--drafter", str(run)]

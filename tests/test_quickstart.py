@@ -116,6 +116,40 @@ def test_quickstart_preset_overrides_the_cpu_detection(
     assert not (tmp_path / "v").exists()
 
 
+def test_training_gets_what_the_run_budget_leaves(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CPU presets keep their 20 minutes on a slower machine: training's time limit is cut to what the data
+    and features stages left, less the evals' reserve (never below a minute); the GPU preset has no budget."""
+    from typer.testing import CliRunner
+
+    import flashdraft.quickstart as qs
+    from flashdraft.cli import app
+
+    cpu = SIZES["cpu"]
+    assert (cpu.train_minutes, cpu.total_minutes, qs.EVAL_RESERVE_MIN) == (7.5, 20.0, 2.0)
+    assert qs.train_minutes_for(cpu, 5.0) == 7.5  # 13 minutes left: the preset's own limit
+    assert qs.train_minutes_for(cpu, 12.0) == 6.0
+    assert qs.train_minutes_for(cpu, 19.5) == 1.0
+    assert qs.train_minutes_for(SIZES["cuda"], 30.0) is None
+
+    now = {"s": 0.0}
+    ran: list[list[str]] = []
+
+    def run(args: list[str], log: list[str]) -> None:
+        ran.append(list(args))
+        if args[0] in ("data", "features"):  # a slow machine: 6 minutes each
+            now["s"] += 360.0
+
+    monkeypatch.setattr(qs, "_run", run)
+    monkeypatch.setattr(qs.time, "perf_counter", lambda: now["s"])
+    monkeypatch.setattr(qs, "write_first_turns", lambda path, n: None)
+    monkeypatch.setattr(qs, "cpu_has_native_bf16", lambda: True)
+    r = CliRunner().invoke(app, ["quickstart", "--work", str(tmp_path / "w")])
+    assert r.exit_code == 0, r.output
+    assert "training limited to 6.0 min" in r.output
+    train = next(a for a in ran if a[0] == "train")
+    assert "runtime.time_limit_min=6.0" in train and f"optim.max_steps={cpu.steps}" in train
+
+
 def test_qs_screen_runs_the_builders_with_its_gpu_extras(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
