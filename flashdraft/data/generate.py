@@ -99,6 +99,70 @@ def _rows_to_keep(done: torch.Tensor, live: int) -> torch.Tensor | None:
     return torch.argsort(done.to(torch.int8), stable=True)[:m].sort().values
 
 
+@dataclass
+class _Batch:
+    """One `loop_generate` batch in flight: its cache, its mask and the rows still decoding."""
+
+    k: int  # index among the batches
+    P: int  # padded prompt width
+    lens: torch.Tensor  # [m] prompt lengths
+    attn: torch.Tensor  # [m, P + N] 1 on real tokens
+    cache: object
+    tokens: torch.Tensor  # [b, N] generated ids per prompt of the batch
+    row: torch.Tensor  # [m] each decoding row's index in the batch
+    done: torch.Tensor  # [m]
+    nxt: torch.Tensor  # [m] the token just chosen
+    t: int = 0  # tokens recorded so far
+    n: int = 0  # tokens to keep per row when finished (0 while decoding)
+    drop: bool = True
+
+
+def _prefill(
+    target: TargetModel, k: int, prompts: list[list[int]], params: GenerationParams,
+    gen: torch.Generator | None = None, drop: bool = True,
+) -> _Batch:  # fmt: skip
+    """Left-padded prefill of one batch into a preallocated cache, and its first token (`_choose`); finished rows
+    are dropped later only with `drop`, greedy, and a row count where that keeps every row's bits."""
+    dev, N = target.device, params.max_new_tokens
+    b = len(prompts)
+    lens = torch.tensor([len(p) for p in prompts], device=dev)  # [b]
+    P = int(lens.max())
+    ids = _pad_rows(prompts, P, 0, left=True).to(dev)  # [b, P]
+    attn = torch.zeros((b, P + N), dtype=torch.long, device=dev)  # [b, P + N]
+    attn[:, :P] = (torch.arange(P, device=dev)[None, :] >= (P - lens)[:, None]).long()
+    pos = (attn[:, :P].cumsum(-1) - 1).clamp(min=0)  # [b, P]
+    cache = new_cache(capacity=P + N)
+    out = target.forward(ids, attention_mask=attn[:, :P], position_ids=pos, cache=cache, logits="last")
+    nxt = _choose(out.logits[:, -1], params, gen)  # [b]
+    tokens = torch.zeros((b, N), dtype=torch.long, device=dev)
+    done = torch.zeros(b, dtype=torch.bool, device=dev)
+    drop = drop and params.temperature <= 0 and _compactable(b)
+    return _Batch(k, P, lens, attn, cache, tokens, torch.arange(b, device=dev), done, nxt, drop=drop)
+
+
+def _record(g: _Batch, stop: torch.Tensor, N: int, sync_every: int) -> None:
+    """After a token is chosen: store it, and every `sync_every` tokens (a host sync) finish the batch when every
+    row stopped or drop the finished rows; `g.n` > 0 once the batch is finished."""
+    g.tokens[g.row, g.t] = g.nxt
+    g.done |= torch.isin(g.nxt, stop)
+    g.t += 1
+    if g.t == N:
+        g.n = N
+    elif g.t % sync_every == 0:
+        live = int((~g.done).sum())
+        if live == 0:
+            g.n = g.t
+        elif g.drop and (keep := _rows_to_keep(g.done, live)) is not None:
+            g.row, g.nxt, g.done, g.lens, g.attn = (
+                g.row[keep],
+                g.nxt[keep],
+                g.done[keep],
+                g.lens[keep],
+                g.attn[keep],
+            )
+            select_rows(g.cache, keep)
+
+
 @torch.inference_mode()
 def loop_generate(
     target: TargetModel, prompts: list[list[int]], params: GenerationParams, seed: int, sync_every: int = 8,
@@ -109,49 +173,19 @@ def loop_generate(
     Greedy, every `sync_every` steps, finished rows leave the batch (`drop_finished`; not when sampling,
     whose random draws depend on the row count), and the K/V cache is written in place (`new_cache(capacity)`):
     the same ids as the whole batch to the end (benchmarks/RESULTS.md, "Regeneration on the 2-core CPU")."""
-    dev = target.device
-    b = len(prompts)
-    lens = torch.tensor([len(p) for p in prompts], device=dev)  # [b]
-    P = int(lens.max())
-    pad = 0
-    ids = _pad_rows(prompts, P, pad, left=True).to(dev)  # [b, P]
-    attn = torch.zeros(
-        (b, P + params.max_new_tokens), dtype=torch.long, device=dev
-    )  # [b, P + N] preallocated
-    attn[:, :P] = (torch.arange(P, device=dev)[None, :] >= (P - lens)[:, None]).long()
-    pos = (attn[:, :P].cumsum(-1) - 1).clamp(min=0)  # [b, P]
-    stop = torch.tensor(params.stop_ids or [-1], device=dev)
-    gen = torch.Generator(device=dev).manual_seed(seed) if params.temperature > 0 else None
-    drop = drop_finished and params.temperature <= 0 and _compactable(b)
-    cache = new_cache(capacity=P + params.max_new_tokens)
-    out = target.forward(ids, attention_mask=attn[:, :P], position_ids=pos, cache=cache, logits="last")
-    nxt = _choose(out.logits[:, -1], params, gen)  # [m] for the m rows still in the batch (m = b at first)
-    tokens = torch.full((b, params.max_new_tokens), pad, dtype=torch.long, device=dev)  # [b, N]
-    row = torch.arange(b, device=dev)  # [m] each batch row's index among the prompts
-    done = torch.zeros(b, dtype=torch.bool, device=dev)  # [m]
-    n = params.max_new_tokens
-    for t in range(params.max_new_tokens):
-        tokens[row, t] = nxt
-        done |= torch.isin(nxt, stop)
-        if t + 1 == params.max_new_tokens:
-            break
-        if (t + 1) % sync_every == 0:  # host sync: only every `sync_every` steps
-            live = int((~done).sum())
-            if live == 0:
-                n = t + 1
-                break
-            keep = _rows_to_keep(done, live) if drop else None
-            if keep is not None:  # rows past their stop token leave; their tokens are cut there anyway
-                row, nxt, done, lens, attn = row[keep], nxt[keep], done[keep], lens[keep], attn[keep]
-                select_rows(cache, keep)
-        attn[:, P + t] = 1
+    gen = torch.Generator(device=target.device).manual_seed(seed) if params.temperature > 0 else None
+    stop = torch.tensor(params.stop_ids or [-1], device=target.device)
+    g = _prefill(target, 0, prompts, params, gen, drop=drop_finished)
+    _record(g, stop, params.max_new_tokens, sync_every)
+    while not g.n:
+        g.attn[:, g.P + g.t - 1] = 1  # the token recorded last goes in
         out = target.forward(
-            nxt[:, None], attention_mask=attn[:, : P + t + 1], position_ids=(lens + t)[:, None], cache=cache,
-            logits="last",
+            g.nxt[:, None], attention_mask=g.attn[:, : g.P + g.t], position_ids=(g.lens + g.t - 1)[:, None],
+            cache=g.cache, logits="last",
         )  # fmt: skip
-        nxt = _choose(out.logits[:, -1], params, gen)
-    rows = tokens[:, :n].tolist()
-    return [cut_at_stop(r, params.stop_ids) for r in rows]
+        g.nxt = _choose(out.logits[:, -1], params, gen)
+        _record(g, stop, params.max_new_tokens, sync_every)
+    return [cut_at_stop(r, params.stop_ids) for r in g.tokens[:, : g.n].tolist()]
 
 
 @torch.inference_mode()

@@ -17,17 +17,17 @@ Llama-family decoder layers only (`grouped_support_error`); greedy only.
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
 
 import torch
 
-from flashdraft.cache import cache_keyword, new_cache, select_rows
+from flashdraft.cache import cache_keyword
 from flashdraft.data.generate import (
     Generation,
     GenerationParams,
+    _Batch,
     _compactable,
-    _pad_rows,
-    _rows_to_keep,
+    _prefill,
+    _record,
     cut_at_stop,
     loop_generate,
 )
@@ -45,67 +45,6 @@ def grouped_support_error(target: TargetModel, params: GenerationParams) -> str 
     if params.temperature > 0:
         return "sampling: each batch's random draws depend on its own row count"
     return None
-
-
-@dataclass
-class _Batch:
-    """One `loop_generate` batch in flight: its cache, its mask and the rows still decoding."""
-
-    k: int  # index among the batches
-    P: int  # padded prompt width
-    lens: torch.Tensor  # [m] prompt lengths
-    attn: torch.Tensor  # [m, P + N] 1 on real tokens
-    cache: object
-    tokens: torch.Tensor  # [b, N] generated ids per prompt of the batch
-    row: torch.Tensor  # [m] each decoding row's index in the batch
-    done: torch.Tensor  # [m]
-    nxt: torch.Tensor  # [m] the token just chosen
-    t: int = 0  # tokens recorded so far
-    n: int = 0  # tokens to keep per row when finished (0 while decoding)
-    drop: bool = True
-
-
-def _prefill(target: TargetModel, k: int, prompts: list[list[int]], params: GenerationParams) -> _Batch:
-    """`loop_generate`'s prefill, line for line."""
-    dev, N = target.device, params.max_new_tokens
-    b = len(prompts)
-    lens = torch.tensor([len(p) for p in prompts], device=dev)  # [b]
-    P = int(lens.max())
-    ids = _pad_rows(prompts, P, 0, left=True).to(dev)  # [b, P]
-    attn = torch.zeros((b, P + N), dtype=torch.long, device=dev)  # [b, P + N]
-    attn[:, :P] = (torch.arange(P, device=dev)[None, :] >= (P - lens)[:, None]).long()
-    pos = (attn[:, :P].cumsum(-1) - 1).clamp(min=0)  # [b, P]
-    cache = new_cache(capacity=P + N)
-    out = target.forward(ids, attention_mask=attn[:, :P], position_ids=pos, cache=cache, logits="last")
-    nxt = out.logits[:, -1].argmax(-1)  # [b]
-    tokens = torch.zeros((b, N), dtype=torch.long, device=dev)
-    done = torch.zeros(b, dtype=torch.bool, device=dev)
-    return _Batch(
-        k, P, lens, attn, cache, tokens, torch.arange(b, device=dev), done, nxt, drop=_compactable(b)
-    )
-
-
-def _record(g: _Batch, stop: torch.Tensor, N: int, sync_every: int) -> None:
-    """`loop_generate`'s bookkeeping after a token is chosen: store it, and every `sync_every` tokens
-    finish the batch when every row stopped or drop the finished rows (host sync)."""
-    g.tokens[g.row, g.t] = g.nxt
-    g.done |= torch.isin(g.nxt, stop)
-    g.t += 1
-    if g.t == N:
-        g.n = N
-    elif g.t % sync_every == 0:
-        live = int((~g.done).sum())
-        if live == 0:
-            g.n = g.t
-        elif g.drop and (keep := _rows_to_keep(g.done, live)) is not None:
-            g.row, g.nxt, g.done, g.lens, g.attn = (
-                g.row[keep],
-                g.nxt[keep],
-                g.done[keep],
-                g.lens[keep],
-                g.attn[keep],
-            )
-            select_rows(g.cache, keep)
 
 
 @torch.inference_mode()
