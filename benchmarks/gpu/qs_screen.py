@@ -105,6 +105,17 @@ VARIANTS["d1350m32-l2b3-1000"] = (1350, 1000, [*L2B3, "checkpoint.every=1000", f
 VARIANTS["d450-l1b3-1300-f28"] = (450, 1300, ["model.num_layers=1", "model.block_size=3", "checkpoint.every=1300",
                                            "model.target_layer_ids=[28]"])  # fmt: skip
 
+# Session 12: the bf16 cpu preset (1,500 prompts, 2,200 steps of the 2-layer b3) against a moving average of its
+# weights (optim.ema_decay) and against more data at the same steps (what a faster data stage would buy)
+VARIANTS |= {
+    f"d{n}-l2b3-2200{tag}": (n, 2200, [*L2B3, "checkpoint.every=2200", *extra])
+    for n, tag, extra in [
+        (1500, "", []), (1500, "-s1", ["runtime.seed=1"]), (1500, "-ema0.99", ["optim.ema_decay=0.99"]),
+        (1500, "-ema0.995", ["optim.ema_decay=0.995"]), (1500, "-ema0.998", ["optim.ema_decay=0.998"]),
+        (2000, "", []), (2500, "", []), (2000, "-ema0.995", ["optim.ema_decay=0.995"]),
+    ]
+}  # fmt: skip
+
 
 def answer_tokens(extra: list[str]) -> int:
     """The regenerated answers' length for a variant: its `regen.max_new_tokens=N`, else the base's."""

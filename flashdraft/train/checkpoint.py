@@ -108,6 +108,21 @@ class TrainerState:
     state: dict[str, Any]  # nested tensors and values: optimizer, RNG states, anchor sampler
 
 
+class StateDictDrafter:
+    """What `save_checkpoint` needs from a drafter, built from a full state dict (FSDP2's gathered shards, or
+    the EMA's averages): a plain CPU copy of the drafter with those weights."""
+
+    def __init__(self, drafter: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+        self.drafter, self.state = drafter, state
+
+    def save_pretrained(self, path: Path) -> Path:
+        from flashdraft.drafter import DFlashDrafter
+
+        plain = DFlashDrafter(self.drafter.config)  # type: ignore[arg-type]
+        plain.load_state_dict(self.state, strict=True)
+        return plain.save_pretrained(path)
+
+
 def save_checkpoint(run_dir: str | os.PathLike[str], step: int, drafter: Any, state: TrainerState) -> Path:
     """Write drafter + trainer state into a temp folder, then rename it to step-XXXXXXXX."""
     from safetensors.torch import save_file

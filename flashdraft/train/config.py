@@ -77,6 +77,9 @@ class OptimConfig:
     max_steps: int | None = None  # overrides epochs when set (optimizer steps)
     grad_accum: int = 1  # micro-batches per optimizer step
     max_bad_steps: int = 5  # stop after this many NaN/inf steps in a row
+    # > 0: checkpoints hold an exponential moving average of the weights with this decay per step (warmed up
+    # as min(decay, (1 + step) / (10 + step)); flashdraft/train/ema.py). 0: off (the paper's recipe)
+    ema_decay: float = 0.0
 
 
 @dataclass
@@ -208,6 +211,8 @@ class TrainConfig:
             raise ConfigError(f"optim.betas {o.betas} must be two numbers in [0, 1)")
         if not 0 <= o.warmup_ratio < 1:
             raise ConfigError(f"optim.warmup_ratio {o.warmup_ratio} must be in [0, 1)")
+        if not 0 <= o.ema_decay < 1:
+            raise ConfigError(f"optim.ema_decay {o.ema_decay} must be in [0, 1) (0: off)")
         if o.grad_accum < 1:
             raise ConfigError(f"optim.grad_accum {o.grad_accum} must be >= 1")
         if o.max_steps is None and o.epochs < 1:

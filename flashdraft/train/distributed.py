@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from flashdraft.train.checkpoint import (
+    StateDictDrafter,
     TrainerState,
     load_trainer_state,
     prune_checkpoints,
@@ -114,20 +115,6 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-class _StateDictDrafter:
-    """What `save_checkpoint` needs from a drafter, built from a gathered full state dict."""
-
-    def __init__(self, drafter: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
-        self.drafter, self.state = drafter, state
-
-    def save_pretrained(self, path: Path) -> Path:
-        from flashdraft.drafter import DFlashDrafter
-
-        plain = DFlashDrafter(self.drafter.config)  # type: ignore[arg-type]  # CPU copy; FSDP's module is sharded
-        plain.load_state_dict(self.state, strict=True)
-        return plain.save_pretrained(path)
-
-
 class DistributedTrainer(Trainer):
     """Trainer + the data-parallel parts listed in the module docstring."""
 
@@ -135,6 +122,11 @@ class DistributedTrainer(Trainer):
         self.ctx = ctx
         super().__init__(*args, rank=ctx.rank, **kw)
         self.sharded = is_sharded(self.drafter)
+        if self.sharded and self.ema is not None:
+            raise ValueError(
+                "optim.ema_decay is not supported with distributed.strategy=fsdp2 (the averages would be "
+                "sharded); use ddp or optim.ema_decay=0"
+            )
 
     # a SIGUSR1 or a time limit may fire on one rank only: every rank must checkpoint / stop at the same step
     def _agree(self, flags: list[bool]) -> list[bool]:
@@ -174,12 +166,12 @@ class DistributedTrainer(Trainer):
 
     def save(self) -> Path:
         state = self._state()  # collective: every rank
-        drafter: Any = self.drafter
+        drafter: Any = self._checkpoint_drafter()
         if self.sharded:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
             opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-            drafter = _StateDictDrafter(self.drafter, get_model_state_dict(self.drafter, options=opts))
+            drafter = StateDictDrafter(self.drafter, get_model_state_dict(self.drafter, options=opts))
         from flashdraft.train.checkpoint import checkpoint_dir
 
         path = checkpoint_dir(self.run_dir, self.step)
@@ -216,6 +208,7 @@ class DistributedTrainer(Trainer):
             set_optimizer_state_dict(self.drafter, self.optimizer, ts.state["optimizer"], options=opts)
         else:
             self.drafter.load_state_dict(weights, strict=True)
+            self._restore_train_weights(ts)
             self.optimizer.load_state_dict(ts.state["optimizer"])
         mine = ts.state["ranks"][self.ctx.rank]
         torch.set_rng_state(mine["torch_cpu"])

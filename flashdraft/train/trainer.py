@@ -31,6 +31,7 @@ from flashdraft.config import to_dict
 from flashdraft.train.batch import pad_feature_batch
 from flashdraft.train.blocks import AnchorSampler, DraftBatch, build_blocks
 from flashdraft.train.checkpoint import (
+    StateDictDrafter,
     TrainerState,
     load_drafter_weights,
     load_trainer_state,
@@ -40,6 +41,7 @@ from flashdraft.train.checkpoint import (
 )
 from flashdraft.train.config import TrainConfig, fused_ce_on
 from flashdraft.train.flops import step_flops, trainable_params
+from flashdraft.train.ema import WeightEMA
 from flashdraft.train.gc_policy import GCPolicy
 from flashdraft.train.host import HostThreads, resolve_host_threads
 from flashdraft.train.loss import loss_denominator, slot_weights
@@ -162,6 +164,8 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(
             params, lr=o.lr, betas=(o.betas[0], o.betas[1]), weight_decay=o.weight_decay, fused=True
         )
+        # the weights' moving average (optim.ema_decay > 0): what checkpoints' drafter/ folders hold
+        self.ema = WeightEMA(drafter, o.ema_decay) if o.ema_decay > 0 else None
         self.total_steps = self._total_steps()
         self.schedule = LRSchedule(
             o.lr, self.total_steps, math.ceil(o.warmup_ratio * self.total_steps), o.min_lr_ratio
@@ -209,10 +213,29 @@ class Trainer:
             "rng": rng,
             "anchor_sampler": self.anchor_sampler.state_dict(),
         }
+        if self.ema is not None:  # drafter/ holds the averages; resume needs the weights being trained
+            state["train_weights"] = self.ema.train_weights()
+            info["ema_decay"] = self.ema.decay
         return TrainerState(info=info, state=state)
 
+    def _checkpoint_drafter(self) -> Any:
+        """What a checkpoint's drafter/ folder is written from: the EMA's averages when on, else the drafter."""
+        return self.drafter if self.ema is None else StateDictDrafter(self.drafter, self.ema.state_dict())
+
+    def _restore_train_weights(self, ts: TrainerState) -> None:
+        """After drafter/'s weights were loaded into the drafter: with EMA they are the averages, and the
+        weights being trained come from the trainer state (a checkpoint without EMA: they are the same)."""
+        if self.ema is not None:
+            self.ema.load_averages(self.drafter.state_dict())
+        train_weights = ts.state.get("train_weights")
+        if train_weights is not None:
+            with torch.no_grad():
+                params = dict(self.drafter.named_parameters())
+                for name, w in train_weights.items():
+                    params[name].copy_(w)
+
     def save(self) -> Path:
-        path = save_checkpoint(self.run_dir, self.step, self.drafter, self._state())
+        path = save_checkpoint(self.run_dir, self.step, self._checkpoint_drafter(), self._state())
         prune_checkpoints(self.run_dir, self.cfg.checkpoint.keep_last, self.cfg.checkpoint.best_metric)
         self.last_checkpoint = path
         return path
@@ -227,6 +250,7 @@ class Trainer:
                 file=sys.stderr,
             )
         load_drafter_weights(checkpoint, self.drafter)
+        self._restore_train_weights(ts)
         self.optimizer.load_state_dict(ts.state["optimizer"])
         torch.set_rng_state(ts.state["rng"]["torch_cpu"])
         if "torch_cuda" in ts.state["rng"] and torch.cuda.is_available():
@@ -378,6 +402,8 @@ class Trainer:
             self.optimizer.found_inf = bad.float()  # type: ignore[attr-defined]
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
+            if self.ema is not None:  # a skipped step left the weights alone: the average moves toward them
+                self.ema.update(self.step + 1)
         self._bad_streak = torch.where(bad, self._bad_streak + 1, torch.zeros_like(self._bad_streak))
         interval.max_bad_streak = torch.maximum(interval.max_bad_streak, self._bad_streak)
         interval.bad_steps += bad.double()
