@@ -40,8 +40,8 @@ from flashdraft.train.checkpoint import (
     step_of,
 )
 from flashdraft.train.config import TrainConfig, fused_ce_on
-from flashdraft.train.flops import step_flops, trainable_params
 from flashdraft.train.ema import WeightEMA
+from flashdraft.train.flops import step_flops, trainable_params
 from flashdraft.train.gc_policy import GCPolicy
 from flashdraft.train.host import HostThreads, resolve_host_threads
 from flashdraft.train.loss import loss_denominator, slot_weights
