@@ -108,11 +108,15 @@ VARIANTS["d450-l1b3-1300-f28"] = (450, 1300, ["model.num_layers=1", "model.block
 # Session 12: the bf16 cpu preset (1,500 prompts, 2,200 steps of the 2-layer b3) against a moving average of its
 # weights (optim.ema_decay) and against more data at the same steps (what a faster data stage would buy)
 VARIANTS |= {
-    f"d{n}-l2b3-2200{tag}": (n, 2200, [*L2B3, "checkpoint.every=2200", *extra])
-    for n, tag, extra in [
-        (1500, "", []), (1500, "-s1", ["runtime.seed=1"]), (1500, "-ema0.99", ["optim.ema_decay=0.99"]),
-        (1500, "-ema0.995", ["optim.ema_decay=0.995"]), (1500, "-ema0.998", ["optim.ema_decay=0.998"]),
-        (2000, "", []), (2500, "", []), (2000, "-ema0.995", ["optim.ema_decay=0.995"]),
+    f"d{n}-l2b3-{steps}{tag}": (n, steps, [*L2B3, f"checkpoint.every={steps}", *extra])
+    for n, steps, tag, extra in [
+        (1500, 2200, "", []), (1500, 2200, "-s1", ["runtime.seed=1"]), (1500, 2200, "-ema0.99", ["optim.ema_decay=0.99"]),
+        (1500, 2200, "-ema0.995", ["optim.ema_decay=0.995"]), (1500, 2200, "-ema0.998", ["optim.ema_decay=0.998"]),
+        (2000, 2200, "", []), (2500, 2200, "", []), (2000, 2200, "-ema0.995", ["optim.ema_decay=0.995"]),
+        # screen 2: the best average with more data and steps
+        (2000, 2200, "-ema0.998", ["optim.ema_decay=0.998"]), (2500, 2200, "-ema0.998", ["optim.ema_decay=0.998"]),
+        (2500, 2200, "-s1", ["runtime.seed=1"]), (2500, 2800, "-ema0.998", ["optim.ema_decay=0.998"]),
+        (2000, 2800, "-ema0.998", ["optim.ema_decay=0.998"]), (3000, 2200, "-ema0.998", ["optim.ema_decay=0.998"]),
     ]
 }  # fmt: skip
 
