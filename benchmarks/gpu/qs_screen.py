@@ -117,6 +117,13 @@ VARIANTS |= {
         (2000, 2200, "-ema0.998", ["optim.ema_decay=0.998"]), (2500, 2200, "-ema0.998", ["optim.ema_decay=0.998"]),
         (2500, 2200, "-s1", ["runtime.seed=1"]), (2500, 2800, "-ema0.998", ["optim.ema_decay=0.998"]),
         (2000, 2800, "-ema0.998", ["optim.ema_decay=0.998"]), (3000, 2200, "-ema0.998", ["optim.ema_decay=0.998"]),
+        # screen 3: the preset's 1,500 prompts for 2,800 steps (the CPU minutes left over), the average and the lr
+        (1500, 2800, "", []), (1500, 2800, "-ema0.998", ["optim.ema_decay=0.998"]),
+        (1500, 2800, "-ema0.998-s1", ["optim.ema_decay=0.998", "runtime.seed=1"]),
+        (1500, 2800, "-ema0.998-lr2.5e-3", ["optim.ema_decay=0.998", "optim.lr=0.0025"]),
+        (1500, 2800, "-ema0.998-lr7e-3", ["optim.ema_decay=0.998", "optim.lr=0.007"]),
+        (1500, 2800, "-ema0.998-g0.6", ["optim.ema_decay=0.998", "loss.gamma=0.6"]),
+        (1500, 1400, "-ema0.998-a32", ["optim.ema_decay=0.998", "data.max_anchors=32"]),
     ]
 }  # fmt: skip
 
