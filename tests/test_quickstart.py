@@ -125,9 +125,9 @@ def test_training_gets_what_the_run_budget_leaves(tmp_path: Path, monkeypatch: p
     from flashdraft.cli import app
 
     cpu = SIZES["cpu"]
-    assert (cpu.train_minutes, cpu.total_minutes, qs.EVAL_RESERVE_MIN) == (7.5, 20.0, 2.0)
-    assert qs.train_minutes_for(cpu, 5.0) == 7.5  # 13 minutes left: the preset's own limit
-    assert qs.train_minutes_for(cpu, 12.0) == 6.0
+    assert (cpu.train_minutes, cpu.total_minutes, qs.EVAL_RESERVE_MIN) == (8.5, 20.0, 2.5)
+    assert qs.train_minutes_for(cpu, 5.0) == 8.5  # 12.5 minutes left: the preset's own limit
+    assert qs.train_minutes_for(cpu, 12.0) == 5.5
     assert qs.train_minutes_for(cpu, 19.5) == 1.0
     assert qs.train_minutes_for(SIZES["cuda"], 30.0) is None
 
@@ -145,9 +145,9 @@ def test_training_gets_what_the_run_budget_leaves(tmp_path: Path, monkeypatch: p
     monkeypatch.setattr(qs, "cpu_has_native_bf16", lambda: True)
     r = CliRunner().invoke(app, ["quickstart", "--work", str(tmp_path / "w")])
     assert r.exit_code == 0, r.output
-    assert "training limited to 6.0 min" in r.output
+    assert "training limited to 5.5 min" in r.output
     train = next(a for a in ran if a[0] == "train")
-    assert "runtime.time_limit_min=6.0" in train and f"optim.max_steps={cpu.steps}" in train
+    assert "runtime.time_limit_min=5.5" in train and f"optim.max_steps={cpu.steps}" in train
 
 
 def test_qs_screen_runs_the_builders_with_its_gpu_extras(

@@ -33,8 +33,8 @@ from flashdraft.quickstart import CONFIG, SIZES, features_args, regenerate_args,
 
 # The screened recipe: session 7's cpu-fp32 preset (the bf16 preset's 4-layer b4 drafter in float32), pinned here
 # so a rerun reproduces session 8's table after the preset itself changed (to 450 prompts, 2 layers, b3).
-SCREEN_BASE = dataclasses.replace(SIZES["cpu"], prompts=300, layers=4, block_size=4, steps=460, train_minutes=None,
-                                  total_minutes=None, dtype="float32")  # fmt: skip
+SCREEN_BASE = dataclasses.replace(SIZES["cpu"], prompts=300, layers=4, block_size=4, steps=460, lr=4e-3, ema_decay=0.0,
+                                  train_minutes=None, total_minutes=None, eval_prompts=12, dtype="float32")  # fmt: skip
 
 # name -> (prompts, steps, extra overrides) on top of SCREEN_BASE
 VARIANTS: dict[str, tuple[int, int, list[str]]] = {
