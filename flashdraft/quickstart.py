@@ -77,7 +77,9 @@ SIZES = {
     # Session 12 (RESULTS "H200 session 12", 120–150 held-out prompts): more prompts at 2,200 steps (2,000–3,000)
     # and a weight average alone each move τ by ≤ 0.02, within the seeds' spread; 2,800 steps (the CPU minutes
     # the 2,200 left unused) with EMA 0.998 give 1.50–1.51 (two seeds), lr 2.5e-3 1.52, lr 7e-3 1.47: so
-    # 2,800 steps, lr 2.5e-3, EMA 0.998, and 24 eval prompts each instead of 12 (half the noise).
+    # 2,800 steps, lr 2.5e-3, EMA 0.998, and 24 eval prompts each instead of 12 (half the noise). On session
+    # 12's CPU (RESULTS "Quickstart on the 2-core CPU (session 12)"), empty cache: 17.9 min (data 337 s, features
+    # 109 s, train 488 s, evals 66 + 72 s), held-out chain τ 1.48 on 24 prompts; the 2,200-step drafter 1.47 on them.
     "cpu": QuickstartSizes(
         prompts=1500,
         max_new_tokens=96,
