@@ -41,19 +41,10 @@ class WeightEMA:
         return state
 
     @torch.no_grad()
-    def load_averages(self, state: dict[str, torch.Tensor]) -> None:
-        """Restore the averages from a checkpoint's drafter weights (a state dict of the module)."""
-        missing = [n for n in self.names if n not in state]
-        if missing:
-            raise KeyError(f"checkpoint weights lack {missing[:3]}{'...' if len(missing) > 3 else ''}")
-        for n, s in zip(self.names, self.shadow, strict=True):
-            s.copy_(state[n])
+    def reset_to_weights(self) -> None:
+        """Averages := the module's current weights (after a checkpoint's averaged drafter/ weights were loaded)."""
+        torch._foreach_copy_(self.shadow, [p.detach() for p in self.params])
 
     def train_weights(self) -> dict[str, Any]:
         """The weights being trained (copies: a checkpoint's trainer state keeps them for `--resume`)."""
         return {n: p.detach().clone() for n, p in zip(self.names, self.params, strict=True)}
-
-    @torch.no_grad()
-    def load_train_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        for n, p in zip(self.names, self.params, strict=True):
-            p.copy_(weights[n])

@@ -226,7 +226,7 @@ class Trainer:
         """After drafter/'s weights were loaded into the drafter: with EMA they are the averages, and the
         weights being trained come from the trainer state (a checkpoint without EMA: they are the same)."""
         if self.ema is not None:
-            self.ema.load_averages(self.drafter.state_dict())
+            self.ema.reset_to_weights()
         train_weights = ts.state.get("train_weights")
         if train_weights is not None:
             with torch.no_grad():
