@@ -70,7 +70,7 @@ SIZES = {
     # b4 (H200 screens, benchmarks/RESULTS.md "H200 session 8" / "H200 session 11": with 1,500 prompts, 2,800
     # steps of it give held-out chain τ 1.49–1.50 on 60 prompts against 1.46 for 1,400 steps of the 4-layer b4;
     # which target layer feeds it does not matter). Session 11's 2-core AVX512-BF16 EPYC, idle, empty cache
-    # (RESULTS "Quickstart on the 2-core CPU (session 11)"): these sizes 17.2 min end to end (data 402 s,
+    # (RESULTS "Quickstart on the 2-core CPU (session 11)"): its sizes then (2,200 steps, lr 4e-3, no EMA) 17.2 min end to end (data 402 s,
     # features 121 s, train 422 s = all 2,200 steps at 0.19 s, eval 44 + 45 s), held-out chain τ 1.49 (12
     # prompts), DDTree-8 1.81; the old 4-layer b4 sizes 18.0 min, chain 1.45; 2,739 steps (8.5-min limit)
     # 18.2 min, chain 1.47 — the 12 prompts' noise is ±0.03. Answers stop at 96 tokens, the eval's length.
