@@ -1,6 +1,6 @@
 """`flashdraft quickstart`: the whole loop on the embedded default target, with flashdraft's own commands.
 
-    flashdraft quickstart                       # CPU, 14–20 minutes on 2 cores (measured; 20 at most)
+    flashdraft quickstart                       # CPU, ≤ 20 minutes on 2 cores (training takes what is left)
     flashdraft quickstart --device cuda         # larger sizes on a GPU
 
 Stages (each one a real `flashdraft` command, printed before it runs, with its own progress bar):
@@ -50,7 +50,13 @@ class QuickstartSizes:
     gamma: float | None  # loss decay over slots (None: the paper's per-B default)
     ema_decay: float  # optim.ema_decay: checkpoints hold a moving average of the weights (0: off)
     init_from_target: str  # model.init_from_target: none | last | next (start from target layers)
-    train_minutes: float | None  # training stops here even before `steps` (keeps the whole run in budget)
+    # data.greedy_labels: the prompts' positions are labelled too, with the target's greedy next tokens (the
+    # features stage then runs the whole target and stores them: `features dump --greedy`)
+    greedy_labels: bool
+    softmax_vocab: int  # loss.softmax_vocab: the loss's softmax over this many most frequent label tokens (0: all)
+    # training stops here even before `steps` (keeps the whole run in budget); with a limit the trainer fits its
+    # steps and LR schedule to it after ~100 steps (runtime.fit_steps_to_time_limit), so `steps` is an upper bound
+    train_minutes: float | None
     # the whole run's minutes: training gets at most what the data and features stages left of them, less
     # EVAL_RESERVE_MIN for the two evals (a slower machine trains fewer steps instead of running over)
     total_minutes: float | None
@@ -65,21 +71,19 @@ class QuickstartSizes:
 SIZES = {
     # CPU with native bf16 (AVX512-BF16 / AMX): the target regenerates and dumps features in bf16, training runs
     # autocast with fp32 master weights, the eval stays float32. A 2-layer b3 drafter started from target layers
-    # 16–17 (init_from_target=next after feature layer 15; γ = 1: the lm_head over 49K tokens costs the same
-    # for every labelled slot, so few slots and many anchors): at equal CPU minutes it beats session 6's 4-layer
-    # b4 (H200 screens, benchmarks/RESULTS.md "H200 session 8" / "H200 session 11": with 1,500 prompts, 2,800
-    # steps of it give held-out chain τ 1.49–1.50 on 60 prompts against 1.46 for 1,400 steps of the 4-layer b4;
-    # which target layer feeds it does not matter). Session 11's 2-core AVX512-BF16 EPYC, idle, empty cache
-    # (RESULTS "Quickstart on the 2-core CPU (session 11)"): its sizes then (2,200 steps, lr 4e-3, no EMA) 17.2 min end to end (data 402 s,
-    # features 121 s, train 422 s = all 2,200 steps at 0.19 s, eval 44 + 45 s), held-out chain τ 1.49 (12
-    # prompts), DDTree-8 1.81; the old 4-layer b4 sizes 18.0 min, chain 1.45; 2,739 steps (8.5-min limit)
-    # 18.2 min, chain 1.47 — the 12 prompts' noise is ±0.03. Answers stop at 96 tokens, the eval's length.
-    # Session 12 (RESULTS "H200 session 12", 120–150 held-out prompts): more prompts at 2,200 steps (2,000–3,000)
-    # and a weight average alone each move τ by ≤ 0.02, within the seeds' spread; 2,800 steps (the CPU minutes
-    # the 2,200 left unused) with EMA 0.998 give 1.50–1.51 (two seeds), lr 2.5e-3 1.52, lr 7e-3 1.47: so
-    # 2,800 steps, lr 2.5e-3, EMA 0.998, and 24 eval prompts each instead of 12 (half the noise). On session
-    # 12's CPU (RESULTS "Quickstart on the 2-core CPU (session 12)"), empty cache: 17.9 min (data 337 s, features
-    # 109 s, train 488 s, evals 66 + 72 s), held-out chain τ 1.48 on 24 prompts; the 2,200-step drafter 1.47 on them.
+    # 16–17 (init_from_target=next after feature layer 15; γ = 1: the head costs the same for every labelled slot,
+    # so few slots and many anchors). The H200 screens (benchmarks/RESULTS.md "H200 session 8", "… 11", "… 12")
+    # found no recipe knob at these sizes (feature layer, init, lr, γ, weight decay, noise, anchors, answer length,
+    # more prompts, weight averaging) that moves held-out τ by more than ±0.03; more steps do (session 13's CPU:
+    # 2,800 → 4,000 steps, chain τ 1.48 → 1.52 on 100 held-out prompts). So training takes every minute the 20
+    # leave (train_minutes 12, cut to what total_minutes leaves, steps and LR schedule fitted to them:
+    # runtime.fit_steps_to_time_limit; `steps` is only a ceiling), and its steps are cheaper: the loss's softmax
+    # over the 8,192 most frequent label tokens (loss.softmax_vocab; every training label here) — 0.105 s a step
+    # instead of 0.153 (profiled, session 13). data.greedy_labels (the prompts labelled too) measured no better
+    # (1.48 vs 1.48 at 2,800 steps, 1.51 vs 1.52 at ~5,300) for a 2.9× features pass: off. EMA 0.998, lr 2.5e-3
+    # (session 12). Session 13's 2-core AMX Xeon, empty cache (RESULTS "Quickstart on the 2-core CPU (session 13)"):
+    # 18.0 min (data 236 s, features 152 s, 10.0 training minutes fitted to 4,230 steps, evals 53 + 56 s), held-out
+    # chain τ 1.517 on 24 prompts and on 100 (session 12's preset 1.483 on the 100; paired +0.041, se 0.013).
     "cpu": QuickstartSizes(
         prompts=1500,
         max_new_tokens=96,
@@ -88,14 +92,16 @@ SIZES = {
         layers=2,
         target_layer_ids=[15],
         block_size=3,
-        steps=2800,
+        steps=8000,
         token_budget=1024,
         max_anchors=16,
         lr=2.5e-3,
         gamma=1.0,
         ema_decay=0.998,
         init_from_target="next",
-        train_minutes=8.5,
+        greedy_labels=False,
+        softmax_vocab=8192,
+        train_minutes=12.0,
         total_minutes=20.0,
         eval_prompts=24,
         eval_tokens=96,
@@ -117,6 +123,8 @@ SIZES = {
         gamma=None,
         ema_decay=0.0,
         init_from_target="none",  # not measured on a GPU run yet; the paper trains from scratch
+        greedy_labels=False,
+        softmax_vocab=0,
         train_minutes=None,
         total_minutes=None,
         eval_prompts=50,
@@ -138,14 +146,15 @@ SIZES = {
 # End to end on that CPU, idle, empty cache: 14.2 minutes (data 360 s, features 75 s, train 310 s = all 1,000
 # steps, eval 55 + 51 s with batched references), held-out chain τ 1.38 (12 prompts; DDTree-8 1.63).
 SIZES["cpu-fp32"] = dataclasses.replace(
-    SIZES["cpu"], prompts=450, regen_batch=32, steps=1000, lr=4e-3, ema_decay=0.0, train_minutes=6.0,
-    eval_prompts=12, dtype="float32",
+    SIZES["cpu"], prompts=450, regen_batch=32, steps=1000, lr=4e-3, ema_decay=0.0, softmax_vocab=0,
+    train_minutes=6.0, eval_prompts=12, dtype="float32",
 )  # fmt: skip
 
 
-# the CPU evals (held-out ShareGPT and HumanEval, both drafters): 12 prompts each 89 s on session 11's 2-core
-# AVX512-BF16 CPU, 106 s on session 8's AVX2 one; the cpu preset's 24 each ~2.5 s a prompt more (benchmarks/RESULTS.md)
-EVAL_RESERVE_MIN = 2.5
+# kept for the CPU evals (held-out ShareGPT and HumanEval, both drafters: 24 prompts each 66 + 72 s on session 12's
+# 2-core EPYC, 51 + 54 s on session 13's Xeon; 12 each 106 s on session 8's AVX2 CPU) and the train stage's start-up
+# and last checkpoint, which its time limit does not count (~0.3 min) (benchmarks/RESULTS.md)
+EVAL_RESERVE_MIN = 3.5
 
 
 def train_minutes_for(sizes: QuickstartSizes, elapsed_min: float) -> float | None:
@@ -182,10 +191,12 @@ def train_overrides(sizes: QuickstartSizes, run: Path, data: Path, feats: Path, 
         f"model.num_layers={sizes.layers}", f"model.block_size={sizes.block_size}",
         f"optim.max_steps={sizes.steps}", f"optim.lr={sizes.lr}", f"checkpoint.every={sizes.steps}",
         f"optim.ema_decay={sizes.ema_decay}",
-        f"model.init_from_target={sizes.init_from_target}",
+        f"model.init_from_target={sizes.init_from_target}", f"data.greedy_labels={str(sizes.greedy_labels).lower()}",
         *([f"model.target_layer_ids=[{','.join(map(str, sizes.target_layer_ids))}]"] if sizes.target_layer_ids else []),
         *([f"loss.gamma={sizes.gamma}"] if sizes.gamma is not None else []),
-        *([f"runtime.time_limit_min={sizes.train_minutes}"] if sizes.train_minutes is not None else []),
+        f"loss.softmax_vocab={sizes.softmax_vocab}",
+        *([f"runtime.time_limit_min={sizes.train_minutes}", "runtime.fit_steps_to_time_limit=true"]
+          if sizes.train_minutes is not None else []),
         "pipeline.mode=offline", f"pipeline.features_dir={feats}", f"runtime.device={device}",
         f"runtime.dtype={sizes.dtype}",
     ]  # fmt: skip
@@ -234,7 +245,8 @@ def features_args(
         "features", "dump", *(["--target", target] if target is not None else []),
         "--dataset", str(data), "--out", str(out), *layers,
         "--max-length", str(sizes.max_length), "--token-budget", str(sizes.token_budget),
-        "--dtype", dtype, "--target-dtype", dtype, "--device", device, *extra,
+        "--dtype", dtype, "--target-dtype", dtype, "--device", device,
+        *(["--greedy"] if sizes.greedy_labels else []), *extra,
     ]  # fmt: skip
 
 

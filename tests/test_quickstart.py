@@ -24,6 +24,8 @@ def test_train_overrides_make_a_valid_config(preset: str, tmp_path: Path) -> Non
     assert cfg.data.max_anchors == sizes.max_anchors and cfg.data.token_budget == sizes.token_budget
     assert cfg.loss.gamma == sizes.gamma and cfg.model.init_from_target == sizes.init_from_target
     assert cfg.runtime.time_limit_min == sizes.train_minutes
+    assert cfg.runtime.fit_steps_to_time_limit == (sizes.train_minutes is not None)  # `steps`: an upper bound
+    assert cfg.loss.softmax_vocab == sizes.softmax_vocab and cfg.data.greedy_labels == sizes.greedy_labels
     assert cfg.model.target_layer_ids == sizes.target_layer_ids
     assert cfg.pipeline.mode == "offline" and cfg.pipeline.features_dir == str(tmp_path / "feats")
 
@@ -125,9 +127,9 @@ def test_training_gets_what_the_run_budget_leaves(tmp_path: Path, monkeypatch: p
     from flashdraft.cli import app
 
     cpu = SIZES["cpu"]
-    assert (cpu.train_minutes, cpu.total_minutes, qs.EVAL_RESERVE_MIN) == (8.5, 20.0, 2.5)
-    assert qs.train_minutes_for(cpu, 5.0) == 8.5  # 12.5 minutes left: the preset's own limit
-    assert qs.train_minutes_for(cpu, 12.0) == 5.5
+    assert (cpu.train_minutes, cpu.total_minutes, qs.EVAL_RESERVE_MIN) == (12.0, 20.0, 3.5)
+    assert qs.train_minutes_for(cpu, 4.0) == 12.0  # 12.5 minutes left: the preset's own limit
+    assert qs.train_minutes_for(cpu, 12.0) == 4.5
     assert qs.train_minutes_for(cpu, 19.5) == 1.0
     assert qs.train_minutes_for(SIZES["cuda"], 30.0) is None
 
@@ -145,9 +147,9 @@ def test_training_gets_what_the_run_budget_leaves(tmp_path: Path, monkeypatch: p
     monkeypatch.setattr(qs, "cpu_has_native_bf16", lambda: True)
     r = CliRunner().invoke(app, ["quickstart", "--work", str(tmp_path / "w")])
     assert r.exit_code == 0, r.output
-    assert "training limited to 5.5 min" in r.output
+    assert "training limited to 4.5 min" in r.output
     train = next(a for a in ran if a[0] == "train")
-    assert "runtime.time_limit_min=5.5" in train and f"optim.max_steps={cpu.steps}" in train
+    assert "runtime.time_limit_min=4.5" in train and f"optim.max_steps={cpu.steps}" in train
 
 
 def test_qs_screen_runs_the_builders_with_its_gpu_extras(

@@ -50,6 +50,11 @@ class DataConfig:
     # micro-batch is [token_budget // max_length rows, max_length] with exactly N blocks per row (rows
     # offering more anchors keep a random N); what runtime.compile=model needs to compile once
     blocks_per_row: int = 0
+    # label every document position (the prompt's too) with the target's greedy next token, taken in the same
+    # target pass as the features (which then runs the whole target); a slot k >= 2 is labelled only while the
+    # document's own tokens follow the greedy path inside the block. On regenerated answers the labels are the
+    # same as the response tokens; the prompts add positions (flashdraft.train.blocks). Offline: dump --greedy
+    greedy_labels: bool = False
 
 
 @dataclass
@@ -63,6 +68,10 @@ class LossConfig:
     fused_ce: bool | None = None
     feature_noise: float = 0.0  # relative Gaussian noise on the drafter's copy of the features (off: paper)
     embedding_noise: float = 0.0  # relative Gaussian noise on the block embeddings (off: paper)
+    # 0: the CE's softmax runs over the whole vocabulary (paper). N > 0: over the N most frequent label tokens of
+    # the training split (labels outside carry no loss): a cheaper step where the head dominates it (a small
+    # drafter on a CPU); decoding still drafts from every token (flashdraft.train.vocab)
+    softmax_vocab: int = 0
 
 
 @dataclass
@@ -96,6 +105,10 @@ class RuntimeConfig:
     # stop (with a checkpoint) after this many minutes; the LR schedule still follows max_steps /
     # epochs, so `--resume` continues it (fixed device budgets, preemptible slots)
     time_limit_min: float | None = None
+    # with time_limit_min: after the first ~100 steps, shorten the run (max_steps / epochs and the LR schedule
+    # with them) to the steps the time limit holds at the measured pace, so the schedule decays to its end
+    # instead of being cut off by the limit (one budget, machines of different speeds)
+    fit_steps_to_time_limit: bool = False
     attention: str = "auto"  # auto: flex on CUDA, dense bool mask on CPU; or "flex" / "dense"
     # the FlexAttention BlockMask's (Q, KV) tile; torch's default 128 × 128 is partial at the edges of every
     # run of 16-token blocks (flashdraft/train/blocks.py). Powers of two in 16..128; kernel tiles follow. On sm90
@@ -238,6 +251,8 @@ class TrainConfig:
             )
         if self.runtime.time_limit_min is not None and self.runtime.time_limit_min <= 0:
             raise ConfigError(f"runtime.time_limit_min {self.runtime.time_limit_min} must be > 0 (or unset)")
+        if self.runtime.fit_steps_to_time_limit and self.runtime.time_limit_min is None:
+            raise ConfigError("runtime.fit_steps_to_time_limit needs runtime.time_limit_min")
         fb = self.runtime.flex_block_size
         if len(fb) != 2 or any(x not in (16, 32, 64, 128) for x in fb):
             raise ConfigError(

@@ -134,6 +134,11 @@ class DistributedTrainer(Trainer):
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.ctx.control)
         return [bool(x) for x in t.tolist()]
 
+    def _agree_min(self, value: int) -> int:
+        t = torch.tensor([int(value)])
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.ctx.control)
+        return int(t.item())
+
     def _clip_grad_norm(self, params: list[torch.Tensor]) -> torch.Tensor:
         return full_tensor(super()._clip_grad_norm(params))
 

@@ -224,9 +224,18 @@ def train(
             run, providers=providers, tensorboard=cfg.telemetry.tensorboard,
             wandb_project=cfg.telemetry.wandb_project, config=to_dict(cfg), enabled=ctx.is_main,
         )  # fmt: skip
+        vocab = None
+        if cfg.loss.softmax_vocab > 0:
+            from flashdraft.train.vocab import label_vocab
+
+            vocab = label_vocab(samples, target.vocab_size, cfg.loss.softmax_vocab,
+                                whole_documents=cfg.data.greedy_labels)  # fmt: skip
+            if ctx.is_main:
+                print(f"loss.softmax_vocab={vocab.size}: {vocab.coverage:.2%} of the training labels are inside it",
+                      file=sys.stderr)  # fmt: skip
         kw: dict[str, Any] = dict(
             run_dir=run, model=model, logger=logger, device=device, compute_dtype=prec.compute,
-            attention=attention, on_step_end=on_step_end,
+            attention=attention, on_step_end=on_step_end, vocab=vocab,
         )  # fmt: skip
         if ctx.active:
             trainer: Trainer = DistributedTrainer(cfg, heads, drafter, source, ctx=ctx, **kw)

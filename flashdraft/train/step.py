@@ -49,6 +49,7 @@ def micro_step(
     fused_ce: bool = False,  # loss.fused_ce
     flex_block_size: tuple[int, int] = (128, 128),  # runtime.flex_block_size: the BlockMask's (Q, KV) tile
     compute_dtype: torch.dtype | None = None,  # bf16 → autocast (fp32 master weights stay in the optimizer)
+    head_weight: torch.Tensor | None = None,  # [N, H] rows of the head the labels index (loss.softmax_vocab)
 ) -> LossOutput:
     device = draft.block_ids.device
     noise = noise or NoiseSettings()
@@ -66,5 +67,6 @@ def micro_step(
     with torch.autocast(device.type, dtype=compute_dtype or param_dtype, enabled=use_autocast):
         hidden = drafter(feats, emb, draft.position_ids, mask)  # [R, N·B, H]
         return drafter_loss(
-            hidden, draft, target.lm_head.weight, weights, denominator, chunk_tokens, fused_ce=fused_ce
-        )
+            hidden, draft, target.lm_head.weight if head_weight is None else head_weight, weights, denominator,
+            chunk_tokens, fused_ce=fused_ce,
+        )  # fmt: skip

@@ -48,6 +48,7 @@ from flashdraft.train.loss import loss_denominator, slot_weights
 from flashdraft.train.metrics import MetricsLogger
 from flashdraft.train.source import FeatureSource
 from flashdraft.train.step import NoiseSettings, micro_step
+from flashdraft.train.vocab import LabelVocab, restrict_labels
 
 # named step phases in torch.profiler tables (benchmarks/train_throughput.py)
 _phase = torch.profiler.record_function
@@ -64,6 +65,14 @@ OOM_HINT = (
 
 class TrainingError(RuntimeError):
     pass
+
+
+# runtime.fit_steps_to_time_limit: steps before the pace is first timed, steps timed for the first fit, and the
+# fractions of the time limit at which the fit is redone from the pace since the previous fit (the first epoch of
+# an offline run reads its features from disk: the pace drifts, 0.10–0.14 s a step in one CPU run). Not later: a
+# late refit that adds steps raises an annealed LR again; a pace that slows after it meets the time limit, which
+# then cuts a schedule whose LR is already small
+FIT_SKIP, FIT_STEPS, REFIT_AT = 10, 100, (0.25, 0.5)
 
 
 @dataclass
@@ -133,6 +142,7 @@ class Trainer:
         attention: str = "dense",  # "dense" | "flex"
         rank: int = 0,
         on_step_end: Callable[[Trainer, int], None] | None = None,  # test hook, called after each step
+        vocab: LabelVocab | None = None,  # loss.softmax_vocab: the label tokens the loss's softmax runs over
     ) -> None:
         self.cfg = cfg
         self.target, self.drafter, self.source = target, drafter, source
@@ -154,6 +164,10 @@ class Trainer:
         b = drafter.config.block_size
         self.block_size, self.mask_token_id = b, drafter.config.mask_token_id
         self.weights = slot_weights(b, cfg.loss.gamma)
+        self.vocab = vocab
+        self.head_weight = None  # [N, H]: the head's rows for `vocab` (frozen, gathered once)
+        if vocab is not None:
+            self.head_weight = target.lm_head.weight.detach()[vocab.ids.to(target.lm_head.weight.device)]
         self.noise = NoiseSettings(cfg.loss.feature_noise, cfg.loss.embedding_noise)
         self.anchor_sampler = AnchorSampler(cfg.runtime.seed * 1_000_003 + rank)
         params = [p for p in drafter.parameters() if p.requires_grad]
@@ -177,6 +191,8 @@ class Trainer:
         self._checkpoint_requested = False
         self._lr = self.schedule(0)
         self.last_checkpoint: Path | None = None
+        self._fitted = False  # runtime.fit_steps_to_time_limit: total_steps fitted (or restored fitted)
+        self._asked_steps = self.total_steps
 
     # ------------------------------------------------------------------ setup
 
@@ -192,6 +208,29 @@ class Trainer:
     def _agree(self, flags: list[bool]) -> list[bool]:
         """Control flags as every rank sees them (one process: as they are)."""
         return flags
+
+    def _agree_min(self, value: int) -> int:
+        """The smallest of every rank's `value` (one process: `value`)."""
+        return value
+
+    def _set_total_steps(self, total: int) -> None:
+        o = self.cfg.optim
+        self.total_steps = total
+        self.schedule = LRSchedule(o.lr, total, math.ceil(o.warmup_ratio * total), o.min_lr_ratio)
+
+    def _fit_total_steps(self, left_s: float, pace_s: float) -> str | None:
+        """runtime.fit_steps_to_time_limit: the steps `left_s` holds at `pace_s` a step (less 3% for checkpoints
+        and drift), at most what the config asks for; the LR schedule is rebuilt for them (its warmup too).
+        Returns a line for the log when the total changed."""
+        self._fitted = True
+        if pace_s <= 0:
+            return None
+        fitted = min(self._asked_steps, self._agree_min(self.step + max(1, int(0.97 * left_s / pace_s))))
+        if fitted == self.total_steps:
+            return None
+        self._set_total_steps(fitted)
+        return (f"train: {pace_s:.3f} s a step, the time limit holds {fitted} of {self._asked_steps} steps: "
+                f"the LR schedule now ends at step {fitted}")  # fmt: skip
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -260,6 +299,9 @@ class Trainer:
         self.step = step_of(checkpoint)
         self.tokens_seen = int(ts.info.get("tokens_seen", 0))
         self.anchors_seen = int(ts.info.get("anchors_seen", 0))
+        if self.cfg.runtime.fit_steps_to_time_limit and ts.info.get("total_steps"):  # the fitted schedule
+            self._set_total_steps(int(ts.info["total_steps"]))
+            self._fitted = True
         self.logger.truncate_after(self.step)
         self.last_checkpoint = Path(checkpoint)
 
@@ -281,6 +323,8 @@ class Trainer:
             from tqdm import tqdm
 
             bar = tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step", file=sys.stderr)
+        fit_start = self.step + FIT_SKIP  # the pace is first timed over steps fit_start .. fit_start + FIT_STEPS
+        fit_t0, fit_s0, refits = started, self.step, list(REFIT_AT)
         interval = Interval(self.block_size, self.device)
         gc_policy = GCPolicy(cfg.runtime.gc_every)  # automatic GC off (gc_every > 0) until `finally`
         # torch's intra-op threads (runtime.host_threads; auto: 1 on CUDA), restored in `finally`
@@ -313,6 +357,23 @@ class Trainer:
                     bar.update(1)
                 if self.on_step_end is not None:
                     self.on_step_end(self, self.step)
+                if limit_s is not None and cfg.runtime.fit_steps_to_time_limit:
+                    now = time.perf_counter()
+                    if self.step == fit_start and not self._fitted:
+                        fit_t0, fit_s0 = now, self.step
+                    elif (self.step == fit_start + FIT_STEPS and not self._fitted) or (
+                        self._fitted and refits and now - started >= refits[0] * limit_s
+                    ):
+                        while refits and now - started >= refits[0] * limit_s:
+                            refits.pop(0)
+                        pace = (now - fit_t0) / max(1, self.step - fit_s0)
+                        line = self._fit_total_steps(limit_s - (now - started), pace)
+                        fit_t0, fit_s0 = now, self.step
+                        if bar is not None:
+                            bar.total = self.total_steps
+                            bar.refresh()
+                        if line is not None and self.rank == 0:
+                            (bar.write if bar is not None else print)(line, file=sys.stderr)
                 if self.step % cfg.telemetry.log_every == 0 or self.step == self.total_steps:
                     last = self._log(interval, bar)
                     interval = Interval(self.block_size, self.device)
@@ -358,7 +419,8 @@ class Trainer:
         with _phase("step/blocks"):  # host work: anchors, blocks, Σw (profiler rows; no cost without one)
             for fb in micro:
                 anchors = self.anchor_sampler.sample(fb, d.max_anchors, blocks_multiple, d.blocks_per_row)
-                drafts_cpu.append(build_blocks(fb, anchors, self.block_size, self.mask_token_id))
+                draft = build_blocks(fb, anchors, self.block_size, self.mask_token_id)
+                drafts_cpu.append(draft if self.vocab is None else restrict_labels(draft, self.vocab))
             # ≥ 1 whenever any slot has a label
             denom = loss_denominator(drafts_cpu, self.weights).clamp_min(1.0)
             interval.flops += step_flops(drafts_cpu, self.drafter.config, self.trainable_params)
@@ -380,7 +442,7 @@ class Trainer:
                         self.model, self.target, fb, draft, weights, denom,
                         attention=self.attention, noise=self.noise, chunk_tokens=cfg.loss.chunk_tokens,
                         fused_ce=self.fused_ce, flex_block_size=self.flex_block_size,
-                        compute_dtype=self.compute_dtype,
+                        compute_dtype=self.compute_dtype, head_weight=self.head_weight,
                     )  # fmt: skip
                 with _phase("step/backward"):
                     out.loss.backward()

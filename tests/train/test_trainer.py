@@ -115,6 +115,52 @@ def test_time_limit_stops_with_a_checkpoint_and_resume_continues(tmp_path):
     assert latest_checkpoint(tmp_path / "run").name == "step-00000005"
 
 
+class _StepClock:
+    """The trainer's clock: 0.5 s per optimizer step up to step 110, 0.25 s after (on_step_end advances it)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def time(self) -> float:
+        return time.time()
+
+    def tick(self, _trainer: Trainer, step: int) -> None:
+        self.now += 0.5 if step <= 110 else 0.25
+
+
+def test_the_schedule_is_fitted_to_the_time_limit(tmp_path, monkeypatch):
+    """A 180-s limit: timed over steps 10..110 at 0.5 s a step, it holds 110 + 0.97 × 125 / 0.5 = 352 steps of the
+    1,000 asked for; at half the limit (90 s, step 250) the pace since step 110 is 0.25 s, and the fit is redone:
+    250 + 0.97 × 90 / 0.25 = 599. The run ends there with its LR schedule decayed to the end, not cut off."""
+    clock = _StepClock()
+    monkeypatch.setattr(trainer_mod, "time", clock)
+    over = ["optim.max_steps=1000", "checkpoint.every=1000", "runtime.time_limit_min=3",
+            "runtime.fit_steps_to_time_limit=true", "optim.min_lr_ratio=0"]  # fmt: skip
+    totals: list[int] = []
+
+    def tick(tr: Trainer, step: int) -> None:
+        clock.tick(tr, step)
+        totals.append(tr.total_steps)
+
+    tr = make_trainer(tmp_path, over, on_step_end=tick)
+    res = tr.run()
+    assert (res.stopped, res.steps, tr.total_steps) == ("max_steps", 599, 599)
+    assert (totals[109], totals[110], totals[249], totals[250]) == (1000, 352, 352, 599)  # fitted after step 110, 250
+    assert tr.schedule(598) < 1e-3 * tr.cfg.optim.lr and clock.now - 1000 < 180
+    assert latest_checkpoint(tmp_path / "run").name == "step-00000599"
+    again = make_trainer(tmp_path, over)  # a resumed run keeps the fitted schedule
+    again.restore(latest_checkpoint(tmp_path / "run"))
+    assert again.total_steps == 599 and again.schedule(100) == tr.schedule(100)
+    roomy = make_trainer(tmp_path / "roomy", [*over[1:], "optim.max_steps=200", "runtime.time_limit_min=60"],
+                         on_step_end=clock.tick)  # fmt: skip
+    assert roomy.run().steps == 200  # a limit that holds every step changes nothing
+    with pytest.raises(ConfigError, match="needs runtime.time_limit_min"):
+        load_config(TrainConfig, None, [*SMALL, "runtime.fit_steps_to_time_limit=true"]).validate()
+
+
 class _NaNAt:
     """Wraps a source; poisons the features of the listed micro-batches (1-based)."""
 
