@@ -251,6 +251,8 @@ class TrainConfig:
             )
         if self.runtime.time_limit_min is not None and self.runtime.time_limit_min <= 0:
             raise ConfigError(f"runtime.time_limit_min {self.runtime.time_limit_min} must be > 0 (or unset)")
+        if self.loss.softmax_vocab < 0:
+            raise ConfigError(f"loss.softmax_vocab {self.loss.softmax_vocab} must be >= 0 (0: the whole vocabulary)")
         if self.runtime.fit_steps_to_time_limit and self.runtime.time_limit_min is None:
             raise ConfigError("runtime.fit_steps_to_time_limit needs runtime.time_limit_min")
         fb = self.runtime.flex_block_size

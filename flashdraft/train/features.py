@@ -175,6 +175,7 @@ def dump_features(
     mf = out / MANIFEST
     if mf.is_file():
         old = json.loads(mf.read_text())
+        old.setdefault("greedy", False)  # dumps from before --greedy existed hold none
         for k in _MUST_MATCH:
             if old.get(k) != manifest.get(k):
                 raise FeaturesError(

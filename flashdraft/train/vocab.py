@@ -7,7 +7,8 @@ the softmax runs over the N token ids most frequent among the training split's l
 function of the dataset, so a resumed run gets the same set); labels outside them carry no loss. It is still
 a hard CE on the target's tokens (the same labels, the same head rows), normalised over fewer competitors:
 tokens outside the set are never pushed down, which the offline τ (always drafted over the full vocabulary,
-`flashdraft eval`) measures. Checkpoints and decoding are unchanged: the drafter drafts from every token.
+`flashdraft eval`) measures. Checkpoints and decoding are unchanged: the drafter drafts from every token; the
+training metrics (slot accuracy, τ proxy) take the argmax over the subset.
 EAGLE-3 restricts its drafter's vocabulary the same way, at inference too; here only the loss is restricted.
 
     vocab = label_vocab(samples, vocab_size=49152, size=8192)   # coverage: 0.99 of the labels

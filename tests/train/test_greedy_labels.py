@@ -160,3 +160,20 @@ def test_training_with_greedy_labels_online_equals_offline_and_adds_the_prompt(d
     assert len(loss["online"]) == 3 and loss["online"] == loss["offline"] and loss["online"] != loss["tokens"]
     anchors = {k: round(v[0]["anchors_per_s"] * v[0]["step_time_s"]) for k, v in runs.items()}
     assert anchors["online"] > anchors["tokens"] > 0  # the prompts' positions are anchors too
+
+
+def test_a_dump_from_before_greedy_existed_resumes_and_a_greedy_one_is_refused(dumped):
+    import json
+
+    t, ds, root = dumped
+    mf = root / "feats-False" / "manifest.json"
+    old = json.loads(mf.read_text())
+    old.pop("greedy")  # what dumps written before `--greedy` existed hold
+    mf.write_text(json.dumps(old))
+    plan = plan_dump(list(ds.lengths), layer_ids=LAYERS, hidden_size=t.hidden_size, dtype="float32",
+                     shard_bytes=8_000, **PACK)  # fmt: skip
+    res = dump_features(t, ds, plan, root / "feats-False", meta={"target": "tiny"}, progress=False)
+    assert res.written == 0 and res.skipped == len(plan.shards)
+    with pytest.raises(FeaturesError, match="greedy=False, now True"):
+        dump_features(t, ds, dataclasses.replace(plan, greedy=True), root / "feats-False", meta={"target": "tiny"},
+                      progress=False)  # fmt: skip

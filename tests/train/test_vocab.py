@@ -61,7 +61,7 @@ def test_the_restricted_loss_is_the_cross_entropy_over_the_subset_rows():
 def test_training_with_a_restricted_softmax(tmp_path, capsys):
     """loss.softmax_vocab through `flashdraft train`'s code path: the coverage is reported, and the first step's
     loss is the subset's CE — lower than the full softmax's at the same (seeded) starting weights."""
-    from flashdraft.config import load_config
+    from flashdraft.config import ConfigError, load_config
     from flashdraft.train.config import TrainConfig
     from flashdraft.train.launch import train
     from flashdraft.train.metrics import read_metrics
@@ -81,3 +81,5 @@ def test_training_with_a_restricted_softmax(tmp_path, capsys):
     assert res.steps == 2 and first[16] < first[0]
     err = capsys.readouterr().err
     assert "loss.softmax_vocab=16:" in err and "of the training labels are inside it" in err
+    with pytest.raises(ConfigError, match="loss.softmax_vocab -1 must be >= 0"):
+        load_config(TrainConfig, None, ["data.dataset=x", "loss.softmax_vocab=-1"]).validate()
