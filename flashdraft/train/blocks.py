@@ -156,7 +156,8 @@ def build_blocks(batch: FeatureBatch, anchors: Anchors, block_size: int, mask_to
     has_label = inside & same_doc & gather(batch.label_mask) & anchors.valid[:, :, None] & (k > 0)
     label = gather(batch.input_ids)  # [R, N, B] x[a+k]
     if batch.greedy is not None:
-        prev = torch.gather(batch.greedy, 1, (idx_c - 1).clamp(min=0).view(r, n * b)).view(r, n, b)  # g[a+k−1]
+        before = (idx_c - 1).clamp(min=0).view(r, n * b)
+        prev = torch.gather(batch.greedy, 1, before).view(r, n, b)  # g[a+k−1]
         follows = label == prev  # x[a+k] is the greedy choice after x[a+k−1]
         on_path = torch.ones_like(follows)  # slot k needs follows at slots 1..k−1
         on_path[:, :, 2:] = follows[:, :, 1:-1].long().cumprod(dim=-1).bool()

@@ -323,7 +323,8 @@ class Trainer:
             from tqdm import tqdm
 
             bar = tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step", file=sys.stderr)
-        fit_start = self.step + FIT_SKIP  # the pace is first timed over steps fit_start .. fit_start + FIT_STEPS
+        # runtime.fit_steps_to_time_limit: the pace is first timed over steps fit_start .. fit_start + FIT_STEPS
+        fit_start = self.step + FIT_SKIP
         fit_t0, fit_s0, refits = started, self.step, list(REFIT_AT)
         interval = Interval(self.block_size, self.device)
         gc_policy = GCPolicy(cfg.runtime.gc_every)  # automatic GC off (gc_every > 0) until `finally`

@@ -40,7 +40,9 @@ class LabelVocab:
         return int(self.ids.numel())
 
 
-def label_vocab(samples: Sequence[Any], vocab_size: int, size: int, *, whole_documents: bool = False) -> LabelVocab:
+def label_vocab(
+    samples: Sequence[Any], vocab_size: int, size: int, *, whole_documents: bool = False
+) -> LabelVocab:
     """The `size` most frequent label tokens of `samples` (response tokens; `whole_documents`: every token, as
     with data.greedy_labels, where the labels are the target's own next tokens)."""
     counts = np.zeros(vocab_size, dtype=np.int64)
@@ -65,4 +67,6 @@ def restrict_labels(draft: DraftBatch, vocab: LabelVocab) -> DraftBatch:
     labels = draft.labels
     rows = vocab.row_of[labels.clamp(min=0)]
     labels = torch.where((labels != IGNORE) & (rows >= 0), rows, torch.full_like(labels, IGNORE))
-    return dataclasses.replace(draft, labels=labels, label_index=(labels.flatten() != IGNORE).nonzero().flatten())
+    return dataclasses.replace(
+        draft, labels=labels, label_index=(labels.flatten() != IGNORE).nonzero().flatten()
+    )

@@ -143,7 +143,11 @@ def test_offline_greedy_tokens_equal_online(dumped):
 def test_training_with_greedy_labels_online_equals_offline_and_adds_the_prompt(dumped, tmp_path):
     t, _ds, root = dumped
     runs = {}
-    for name, mode, greedy in (("online", "online", True), ("offline", "offline", True), ("tokens", "online", False)):
+    for name, mode, greedy in (
+        ("online", "online", True),
+        ("offline", "offline", True),
+        ("tokens", "online", False),
+    ):
         cfg = load_config(
             TrainConfig, None,
             [f"run_dir={tmp_path / name}", f"data.dataset={root / 'data'}", "model.num_layers=1",

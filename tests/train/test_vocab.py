@@ -54,7 +54,9 @@ def test_the_restricted_loss_is_the_cross_entropy_over_the_subset_rows():
     kept = r.labels.flatten() != IGNORE
     logits = hidden.reshape(-1, 8)[kept] @ head[v.ids].t()  # the subset's logits only
     slot = (torch.arange(r.labels.numel()) % 4)[kept]
-    want = (torch.nn.functional.cross_entropy(logits, r.labels.flatten()[kept], reduction="none") * w[slot]).sum()
+    want = (
+        torch.nn.functional.cross_entropy(logits, r.labels.flatten()[kept], reduction="none") * w[slot]
+    ).sum()
     torch.testing.assert_close(out.weighted_ce, want)
 
 
