@@ -262,7 +262,7 @@ def main() -> None:
                     help="the DDTree phase: eager, or through torch.compile (one compile per budget); auto: the "
                          "engine's default (compiled with CUDA graphs)")  # fmt: skip
     ap.add_argument("--compile-tree", action="store_const", const="compiled", dest="tree_phase",
-                    help="= --tree-phase compiled (session 10's command line)")  # fmt: skip
+                    help="= --tree-phase compiled (the form benchmarks/RESULTS.md quotes)")  # fmt: skip
     ap.add_argument(
         "--device", default="cuda", help="cpu: a smoke run of the script itself (no graphs, no shape costs)"
     )

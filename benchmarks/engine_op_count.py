@@ -3,7 +3,7 @@
     python benchmarks/engine_op_count.py                 # SmolLM2-135M's depth (30 + 5 layers), narrow widths, CPU
 
 On the H200 a 135M target's AR step costs ~3.1 ms where reading its weights takes ~0.06 ms
-(benchmarks/RESULTS.md, session 5): the step is bound by how many small kernels it launches,
+(measured 2026-12-03): the step is bound by how many small kernels it launches,
 not by bandwidth. This counts them: every aten op dispatched by one eager run of each phase,
 minus the ones that only make a view (no kernel). Widths do not change the count, so the
 models are narrow; depths and head counts are SmolLM2's and the public drafter's.
@@ -49,7 +49,8 @@ def build(layers: int, drafter_layers: int, block: int) -> tuple[Any, Any]:
                       num_attention_heads=9, num_key_value_heads=3, head_dim=8, max_position_embeddings=4096,
                       tie_word_embeddings=True)  # fmt: skip
     target = TargetModel(LlamaForCausalLM(cfg).eval())
-    dcfg = drafter_config_for(target, num_layers=drafter_layers, block_size=block)  # DESIGN.md §1 layer picks
+    # the default layer picks of docs/method.md §2.2
+    dcfg = drafter_config_for(target, num_layers=drafter_layers, block_size=block)
     return target, DFlashDrafter(dcfg).eval()
 
 

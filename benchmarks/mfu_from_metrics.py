@@ -1,13 +1,13 @@
 """Drafter-step throughput and MFU from a training run's metrics.jsonl.
 
-    python benchmarks/mfu_from_metrics.py benchmarks/results/h200-2026-12-02/train_metrics.jsonl \
-        --params 19361152 --hidden 576 --vocab 49152 --block-size 16 --from-step 20 --last-run
+    python benchmarks/mfu_from_metrics.py benchmarks/results/h200-2026-12-03-shipped-drafter/train_metrics.jsonl \
+        --params 19361152 --hidden 576 --vocab 49152 --block-size 16 --from-step 100
 
 FLOPs counted: 6 × trainable drafter parameters × block tokens + 4 × H × V × block tokens (the
 frozen lm_head: forward and input gradient). Attention FLOPs are left out, so this is a lower
-bound on the issue's MFU; benchmarks/train_throughput.py counts them exactly.
+bound on the MFU; benchmarks/train_throughput.py counts them exactly.
 
-Runs that logged `model_tflops_per_s` (the trainer counts the issue's FLOPs, attention included:
+Runs that logged `model_tflops_per_s` (the trainer counts model FLOPs, attention included:
 flashdraft/train/flops.py) also get its mean and the MFU from it (against --peak-tflops); it is
 rank 0's device under torchrun. Older files print the lower bound only.
 """

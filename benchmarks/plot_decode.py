@@ -1,7 +1,8 @@
 """Plot τ and speedup over the engine's AR per method from decode_speed.py JSON files (one line per file).
 
-    python benchmarks/plot_decode.py benchmarks/results/h200-2026-12-02-s2/decode_speed_t0.json \
-        benchmarks/results/h200-2026-12-02-s2/decode_speed_t1.json --out benchmarks/results/h200-2026-12-02-s2/decode.png
+    D=benchmarks/results/h200-2026-12-04-decode-speed
+    python benchmarks/plot_decode.py $D/decode_compiled.json $D/decode_eager.json \
+        --labels "tree phase compiled" "tree phase eager" --out $D/decode.png
     python benchmarks/plot_decode.py OLD.json NEW.json --labels "1,100 steps" "+2,200 steps" --out cmp.png
 """
 

@@ -6,8 +6,8 @@
 Any `flashdraft train` config and key=value overrides (the quickstart prints its own as its train stage's
 command; `flashdraft.quickstart.train_overrides` builds them). The table's rows are aten ops and the trainer's
 named phases (step/blocks, step/forward_loss, step/backward, step/optimizer); "Self CPU total" / steps is the
-step time under the profiler (a little above the unprofiled one). Used for benchmarks/RESULTS.md, "Quickstart on
-the 2-core CPU (session 13)": the loss through the 49K-row head was 30% of a CPU step.
+step time under the profiler (a little above the unprofiled one). Used for benchmarks/RESULTS.md, "Training
+throughput and MFU": the loss through the 49K-row head was 30% of a CPU step.
 """
 
 from __future__ import annotations

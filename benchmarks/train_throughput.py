@@ -365,12 +365,12 @@ def main() -> None:
         "block_padding_fraction": 1 - tot["block_tokens"] / tot["padded_block_tokens"],
         "drafter_tflops_per_s": tot["flops"] / tot["drafter_s"] / 1e12,
         "drafter_mfu": mfu,
-        # per timed step: the mean hides drift (session 8: 25 timed steps gave 85-90 ms, 50 steps 108 ms)
+        # per timed step: the mean hides drift (on the H200 25 timed steps gave 85-90 ms, 50 steps 108 ms)
         "drafter_ms_per_step": [round(1e3 * r["drafter_s"], 2) for r in rows],
         "drafter_mfu_per_step": [
             round(r["flops"] / r["drafter_s"] / (args.peak_tflops * 1e12), 4) for r in rows
         ],
-        # the host inside each drafter-step window: cyclic GC pauses (issue 5's slow-step hypothesis) and block
+        # the host inside each drafter-step window: cyclic GC pauses (a slow-step hypothesis) and block
         # building (anchors + build_blocks); the highest GC generation collected there, null for none
         "gc_every": cfg.runtime.gc_every,
         # runtime.host_threads resolved (0 = torch's count left alone) and torch's intra-op threads during the steps

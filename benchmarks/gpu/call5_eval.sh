@@ -1,22 +1,22 @@
 #!/usr/bin/env bash
-# The offline τ of two drafters side by side on the H200 (the CPU runs of earlier sessions took ~40 min):
-# the same three `flashdraft eval` commands as benchmarks/RESULTS.md's CPU tables — HumanEval-48 and
+# The offline τ of two drafters side by side on a GPU (~4.5 min on an H200; ~40 min on a 2-core CPU):
+# the three `flashdraft eval` commands of benchmarks/RESULTS.md "The shipped drafter" — HumanEval-48 and
 # held-out ShareGPT-40 at T=0 (budgets 8…512, top-8 streak), HumanEval-16 at T=1 — float32 target and
 # drafters, references by AR on the fast engine (flashdraft.eval.references). The target is the GGUF
 # dequantized to float32 (the weights the CPU evals used; the bf16 copy of env.sh rounds them).
-# Then optionally the decode speed of NEW (DECODE=1; give it ≥ 240 s: session 7's 150 s ran out in the
-# transformers baselines — decode_speed.py now saves its JSON after each stage).
-#   OLD=models/smollm2-135m-instruct-dflash-b16 NEW=/root/work/drafter-bf16 bash benchmarks/gpu/call5_eval.sh
+# Then optionally the decode speed of NEW (DECODE=1; give it ≥ 240 s: the transformers baselines are slow;
+# decode_speed.py saves its JSON after each stage).
+#   OLD=models/smollm2-135m-instruct-dflash-b16 NEW=$WORK/drafter-bf16 bash benchmarks/gpu/call5_eval.sh
 # $OUT: evals.tgz (three report folders), eval.log, and decode_speed_t0.json when asked.
 set -uo pipefail
 source benchmarks/gpu/env.sh
 OLD=${OLD:-models/smollm2-135m-instruct-dflash-b16}
-NEW=${NEW:-/root/work/drafter-bf16}
-HE=humaneval:/root/stage/HumanEval.jsonl.gz
-SG=benchmarks/results/h200-2026-12-02-s2/data_eval  # session 2's held-out split (hashes to eval: in no training set)
-F32=/root/work/smollm2-fp32
-[ -f $F32/config.json ] || python3 benchmarks/gpu/save_target.py /root/stage/SmolLM2-135M-Instruct.Q4_1.gguf $F32 float32
-E=/root/work/evals; mkdir -p $E
+NEW=${NEW:-$WORK/drafter-bf16}
+HE=humaneval:$STAGE/HumanEval.jsonl.gz
+SG=benchmarks/results/h200-2026-12-02-sharegpt-heldout-split  # held-out ShareGPT (hashes to eval: in no training set)
+F32=$WORK/smollm2-fp32
+[ -f $F32/config.json ] || python3 benchmarks/gpu/save_target.py $STAGE/SmolLM2-135M-Instruct.Q4_1.gguf $F32 float32
+E=$WORK/evals; mkdir -p $E
 ev() {  # name, then eval flags
   local name=$1; shift
   timeout ${EVAL_TIMEOUT:-200} python3 -m flashdraft.cli eval --target $F32 --drafter $OLD --drafter $NEW --device cuda \
@@ -27,7 +27,7 @@ ev() {  # name, then eval flags
   ev sharegpt-heldout40 --dataset $SG --limit 40 --max-new-tokens 256 --budgets 8,16,32,64,128,256,512 --topk 8
   ev humaneval16-t1 --dataset $HE --limit 16 --max-new-tokens 256 --temperature 1.0 --budgets 8,32,128,512 --topk 8
 } 2>&1 | tee $OUT/eval.log
-tar -czf $OUT/evals.tgz -C /root/work evals
+tar -czf $OUT/evals.tgz -C $WORK evals
 if [ -n "${DECODE:-}" ]; then
   timeout ${DECODE_TIMEOUT:-240} python3 benchmarks/decode_speed.py --target $TARGET --drafter $NEW --dataset $HE \
     --prompts ${PROMPTS_N:-5} --hf-prompts ${HF_PROMPTS:-1} --max-new-tokens 256 --budgets 8,16,32,64,128,256,512 \

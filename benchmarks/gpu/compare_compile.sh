@@ -6,7 +6,7 @@ set -uo pipefail
 source benchmarks/gpu/env.sh
 for mode in "attention" "attention,loss" "model,loss"; do
   bpr=0; [[ $mode == model* ]] && bpr=${BLOCKS_PER_ROW:-1024}
-  tag=${mode//,/_}  # $OUT names allow [A-Za-z0-9._-] only
+  tag=${mode//,/_}  # file names kept to [A-Za-z0-9._-]
   echo "== runtime.compile=$mode data.blocks_per_row=$bpr"
   timeout ${COMPARE_SECONDS:-200} python3 benchmarks/train_throughput.py --target random-smollm2 \
     --steps ${STEPS:-12} --warmup-steps 3 --queue-depth 2 --max-anchors 320 --compile "$mode" --blocks-per-row $bpr \

@@ -1,33 +1,32 @@
 #!/usr/bin/env bash
-# Drafter-step MFU A/B (issue 5): the session-5 measurement (SmolLM2-135M bf16 target, 5-layer b16 drafter,
-# synthetic 1,024-token documents, 512 anchors, `--compile model,loss --blocks-per-row 1024`) and each
-# lever switched on alone, one process per variant (compile state is global), one table at the end:
-#   bash benchmarks/gpu/mfu_ab.sh                      # on the H200, from the repo root (sources env.sh)
+# Drafter-step MFU A/B: the reference measurement (SmolLM2-135M bf16 target, 5-layer b16 drafter, synthetic
+# 1,024-token documents, 512 anchors, `--compile model,loss --blocks-per-row 1024`) and each lever switched on
+# alone, one process per variant (compile state is global), one table at the end:
+#   bash benchmarks/gpu/mfu_ab.sh                      # on a CUDA host, from the repo root (sources env.sh)
 #   DRY=1 bash benchmarks/gpu/mfu_ab.sh                # CPU dry run: tiny random target, same code paths
 #   VARIANTS="base fused all" bash benchmarks/gpu/mfu_ab.sh
-# Variants (flags added to the base command line):
-#   base      none (session 5: 24.1%)
+# Variants (flags added to the base command line; H200 figures in benchmarks/RESULTS.md "Training throughput"):
+#   base      none (log_softmax loss)
 #   fused     --fused-ce                     loss: two passes over bf16 logits, no [chunk, V] float32
 #   chunk8k   --fused-ce --chunk-tokens 8192 the same, half as many chunks
 #   flex64    --flex-block 64,64 --compile-mode max-autotune-no-cudagraphs   BlockMask tiles 64 × 64 (fewer
-#             partial tiles), matching kernel tiles. On the H200 (sm90, head dim 64) torch's only default
+#             partial tiles), matching kernel tiles. On an H200 (sm90, head dim 64) torch's only default
 #             backward config has 128-wide tiles, which must divide the mask's: without max-autotune's extra
-#             configs the backward has no choice (NoValidChoicesError, session 6). Long compile.
+#             configs the backward has no choice (NoValidChoicesError, measured 2026-12-03). Long compile.
 #   flex128x64 --flex-block 128,64 (same caveat)
 #   cgraph    --compile-mode reduce-overhead the compiled drafter replayed as CUDA graphs
 #   all       fused + chunk8k
-#   allgc     all + --gc-every 50 (runtime.gc_every's default): automatic GC off, gc.collect(1) every 50 steps
-#             (issue 5's slow steps, session 9: 11 of 60 at 146-181 ms, a host GC pause while the GPU idles?)
+#   allgc     all + --gc-every 50: automatic GC off, gc.collect(1) every 50 steps (tests whether slow steps are
+#             GC pauses; on the H200 they were not)
 #   allcg     all + cgraph
-#   all1t     all with OMP_NUM_THREADS=1 (one intra-op CPU thread, torchrun's default). Session 10: the slow steps'
-#             extra ~60 ms is all host time in anchor sampling + build_blocks (host_blocks_ms_per_step 40-180 ms
-#             vs 4.5), not GC (allgc: no pauses); suspect: 16 OpenMP threads' barriers on tiny CPU tensors
-#             waiting for a descheduled thread
+#   all1t     all with OMP_NUM_THREADS=1 (one intra-op CPU thread, torchrun's default). On the H200 the slow
+#             steps' extra ~60 ms was host time in anchor sampling + build_blocks with torch's 16 threads
+#             (host_blocks_ms_per_step 40-180 ms vs 4.5); one thread removes it
 #   all4t     all with OMP_NUM_THREADS=4
 #   allht     all + --host-threads 1 (runtime.host_threads's CUDA default: torch.set_num_threads(1) around the
-#             steps, as Trainer.run does; session 10's all1t fix in the config instead of the environment)
-# Every variant runs with --gc-every 0 (Python's automatic GC, as sessions 5-9 measured) and --host-threads 0
-# (torch's default intra-op threads, as sessions 5-10 measured) unless it sets its own.
+#             steps, as Trainer.run does; all1t's fix in the config instead of the environment)
+# Every variant runs with --gc-every 0 (Python's automatic GC) and --host-threads 0 (torch's default intra-op
+# threads) unless it sets its own.
 # PROFILE_VARIANT (default all) adds `--profile 2`: its top kernels land in the log.
 # Outputs: $OUT/mfu_ab.json (every variant's train_throughput JSON), $OUT/mfu_ab.log (every log),
 # $OUT/mfu_ab_table.txt ("slow steps": timed steps over 1.3 × the variant's median; "gc ms (max)": the host's
@@ -54,14 +53,13 @@ if [ -n "${DRY:-}" ]; then
   BASE=(--device cpu --tiny --steps 2 --warmup-steps 1 --compile model,loss --blocks-per-row 16 --gc-every 0
         --host-threads 0)
 else
-  # session 5's target: the bf16 HF copy (~2 s a load); not env.sh's GGUF fallback (~20-40 s a load, per variant)
-  T=${MFU_TARGET:-/root/work/smollm2-bf16}
+  # the bf16 HF copy stage.sh saves (~2 s a load); not env.sh's GGUF fallback (~20-40 s a load, per variant)
+  T=${MFU_TARGET:-$WORK/smollm2-bf16}
   if [ ! -e "$T" ] && [ "$T" != random-smollm2 ]; then  # a bare machine: the same shapes, random weights
     echo "note: target $T not found: random-smollm2 (same shapes; MFU depends on shapes, the loss values do not)"
     T=random-smollm2
   fi
-  # session 5 timed 12 steps after 5 warm-up ones; session 6 found that too few: the same code measured
-  # 318 ms a drafter step after 5 warm-up steps and 146 ms after 15 (benchmarks/RESULTS.md, H200 session 6)
+  # 15 warm-up steps: after 5 the same code measured 262-319 ms a drafter step on the H200, after 15 146 ms
   BASE=(--target "$T" --steps ${STEPS:-25} --warmup-steps ${WARMUP:-15} --compile model,loss --blocks-per-row 1024
         --gc-every 0 --host-threads 0)  # a variant's own --gc-every / --host-threads comes later and wins
 fi

@@ -1,6 +1,6 @@
-"""Screen the CPU quickstart's training recipe on the H200 (issue 6), as the CPU would run it.
+"""Screen the CPU quickstart's training recipe on a GPU, as the CPU would run it.
 
-    python3 benchmarks/gpu/qs_screen.py --prompts .stage/qs --budget-s 520 --out $OUT
+    python3 benchmarks/gpu/qs_screen.py --prompts .stage/qs --budget-s 520 --out screen-out
 
 The quickstart (`flashdraft quickstart`, preset `cpu-fp32`) trains a 4-layer b4 drafter for a few hundred steps
 on a few hundred regenerated answers; which recipe gives the best held-out τ at its sizes does not depend on the
@@ -10,7 +10,7 @@ target, 96 new tokens), dumps the layer-15 features, trains each variant with th
 variants at a time, and evaluates all of them side by side in one `flashdraft eval` on the largest set's held-out
 split (the split is a hash of the conversation, so it is held out from every smaller set too).
 
-Every variant is `name: (prompts, steps, [key=value ...])` in VARIANTS; the prompt list is carried in `--prompts`
+Every variant is `name: (prompts, steps, [key=value ...])` in VARIANTS; the prompt list is read from `--prompts`
 as `p3000.jsonl.gz` (`flashdraft.quickstart.write_first_turns(path, 3000)`, gzipped; its first N lines are
 `write_first_turns(path, N)`).
 """
@@ -21,6 +21,7 @@ import argparse
 import dataclasses
 import gzip
 import json
+import os
 import subprocess
 import sys
 import time
@@ -31,8 +32,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from flashdraft.quickstart import CONFIG, SIZES, features_args, regenerate_args, train_overrides  # noqa: E402
 
-# The screened recipe: session 7's cpu-fp32 preset (the bf16 preset's 4-layer b4 drafter in float32), pinned here
-# so a rerun reproduces session 8's table after the preset itself changed (to 450 prompts, 2 layers, b3).
+# where benchmarks/gpu/env.sh puts the staged inputs and the host's work (the same defaults)
+GPU_DIR = Path(os.environ.get("GPU_DIR", Path.home() / "flashdraft-gpu"))
+STAGE = Path(os.environ.get("STAGE", GPU_DIR / "stage"))
+WORK = Path(os.environ.get("WORK", GPU_DIR / "work"))
+
+# The screened base recipe: the cpu-fp32 preset of 2026-12-03 (the bf16 preset's 4-layer b4 drafter in float32), pinned
+# here so a rerun reproduces RESULTS "Recipe screens" screen A after the preset itself changed (450 prompts, 2 layers, b3).
 SCREEN_BASE = dataclasses.replace(SIZES["cpu"], prompts=300, layers=4, block_size=4, steps=460, lr=4e-3, ema_decay=0.0,
                                   softmax_vocab=0, greedy_labels=False, train_minutes=None, total_minutes=None,
                                   eval_prompts=12, dtype="float32")  # fmt: skip
@@ -75,8 +81,8 @@ VARIANTS: dict[str, tuple[int, int, list[str]]] = {
 
 REGEN_TOKENS = "regen.max_new_tokens="  # not a train override: the variant's data answers this many tokens
 
-# Session 11: which target layers feed the 2-layer b3 drafter (the cpu-fp32 preset since session 8: feature layer
-# 15, drafter started from target layers 16-17) at the preset's CPU cost (450 prompts, 1,000 steps). A deeper
+# Screen B: which target layers feed the 2-layer b3 drafter (the cpu-fp32 preset: feature layer 15, drafter
+# started from target layers 16-17) at the preset's CPU cost (450 prompts, 1,000 steps). A deeper
 # feature layer costs the CPU only a longer features pass; the drafter's step is the same.
 L2B3 = ["model.num_layers=2", "model.block_size=3"]
 VARIANTS |= {
@@ -106,7 +112,7 @@ VARIANTS["d1350m32-l2b3-1000"] = (1350, 1000, [*L2B3, "checkpoint.every=1000", f
 VARIANTS["d450-l1b3-1300-f28"] = (450, 1300, ["model.num_layers=1", "model.block_size=3", "checkpoint.every=1300",
                                            "model.target_layer_ids=[28]"])  # fmt: skip
 
-# Session 12: the bf16 cpu preset (1,500 prompts, 2,200 steps of the 2-layer b3) against a moving average of its
+# Screen C: the bf16 cpu preset of 2026-12-04 (1,500 prompts, 2,200 steps of the 2-layer b3) against a moving average of its
 # weights (optim.ema_decay) and against more data at the same steps (what a faster data stage would buy)
 VARIANTS |= {
     f"d{n}-l2b3-{steps}{tag}": (n, steps, [*L2B3, f"checkpoint.every={steps}", *extra])
@@ -128,9 +134,9 @@ VARIANTS |= {
     ]
 }  # fmt: skip
 
-# Session 13 (defined, not run: no GPU was lent; the CPU runs are in RESULTS "Quickstart on the 2-core CPU (session
-# 13)"): labels on the prompts too (data.greedy_labels: every document position labelled with the target's greedy
-# next token, the features dump runs the whole target), against session 12's cpu preset (lr 2.5e-3, EMA 0.998)
+# Labels on the prompts too (data.greedy_labels: every document position labelled with the target's greedy next
+# token, the features dump runs the whole target) against the cpu preset of 2026-12-04 (lr 2.5e-3, EMA 0.998);
+# not run on a GPU: the CPU runs are RESULTS "Recipe screens" screen D
 PRESET = ["optim.ema_decay=0.998", "optim.lr=0.0025"]
 GREEDY = "data.greedy_labels=true"
 VARIANTS |= {
@@ -179,18 +185,20 @@ def sh(args: list[str], log: Path) -> int:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--target", default="/root/work/smollm2-fp32")
+    ap.add_argument(
+        "--target", default=str(WORK / "smollm2-fp32"), help="call5_eval.sh saves this float32 copy"
+    )
     ap.add_argument("--prompts", type=Path, default=Path(".stage/qs"))
-    ap.add_argument("--work", type=Path, default=Path("/root/work/qs"))
+    ap.add_argument("--work", type=Path, default=WORK / "qs")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--budget-s", type=float, default=520.0, help="the whole screen, eval included")
     ap.add_argument("--eval-s", type=float, default=150.0, help="kept for the eval at the end")
-    ap.add_argument("--contamination", default="humaneval:/root/stage/HumanEval.jsonl.gz")
+    ap.add_argument("--contamination", default=f"humaneval:{STAGE / 'HumanEval.jsonl.gz'}")
     ap.add_argument("--parallel", type=int, default=5)
     ap.add_argument("--eval-prompts", type=int, default=60)
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--eval-size", type=int, default=None,
-                    help="evaluate on this prompt set's held-out split (default: the largest variant's; session 8: 3000)")  # fmt: skip
+                    help="evaluate on this prompt set's held-out split (default: the largest variant's; the screens used 3000)")  # fmt: skip
     a = ap.parse_args()
     t0 = time.time()
     a.work.mkdir(parents=True, exist_ok=True)

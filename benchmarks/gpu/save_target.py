@@ -2,7 +2,7 @@
 
     python3 benchmarks/gpu/save_target.py GGUF OUT_DIR bfloat16|float32
 
-stage.sh saves the bf16 copy the GPU calls run; call5_eval.sh a float32 one (the weights the CPU evals use:
+stage.sh saves the bf16 copy the GPU scripts run; call5_eval.sh a float32 one (the weights the CPU evals use:
 bf16 rounds the dequantized Q4_1 values).
 """
 

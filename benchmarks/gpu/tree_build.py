@@ -1,6 +1,6 @@
 """The DDTree tree phase eager vs compiled (`FastEngine(compile_tree=True)`), as the engine replays it.
 
-    python3 benchmarks/gpu/tree_build.py --out $OUT/tree_build.json     # CUDA: ~15 s of compilation per budget
+    python3 benchmarks/gpu/tree_build.py --out tree_build.json          # CUDA: ~15 s of compilation per budget
     python benchmarks/gpu/tree_build.py --device cpu                    # smoke run: tiny sizes, no graphs
 
 For each budget, two engines on one random SmolLM2-shaped target (1 narrow layer: only the vocabulary and

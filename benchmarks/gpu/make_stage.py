@@ -1,8 +1,14 @@
-"""Build the files carried to the GPU machine (which has no package index): a compact ShareGPT
-copy and the GGUF target in parts small enough that each call's working tree (which now holds the
-38 MB shipped drafter) plus its carried folder stays within the 64 MiB a call may send.
+"""Build `.stage/`: what the GPU scripts need on a CUDA host that has no package index or internet access
+(an air-gapped host): the default target's GGUF in sha256-checked parts, the `gguf` wheel its loader needs,
+a compact ShareGPT copy and HumanEval. Copy the repository (`git archive HEAD`, plus `models/` for the shipped
+drafter) and `.stage/` to the host, then run `bash benchmarks/gpu/stage.sh` there.
 
-    python benchmarks/gpu/make_carry.py            # → .stage/1, .stage/2, ...: one folder to carry per call
+    python benchmarks/gpu/make_stage.py                  # → .stage/1: everything in one folder
+    python benchmarks/gpu/make_stage.py --max-mib 64     # → .stage/1, .stage/2, ...: each folder, with the
+                                                         #   repository's working tree beside it, within 64 MiB
+
+`--max-mib` is for a channel that limits each transfer (a folder travels with the working tree); the GGUF is
+cut into parts that fit, and stage.sh joins them once all folders are on the host.
 
 The compact ShareGPT file keeps each complete record's system prompt and EVERY user turn verbatim;
 the assistant turns become "." (regeneration replaces them with the target's own answers, so
@@ -42,32 +48,36 @@ def compact_sharegpt(out: Path) -> int:
     return n
 
 
-LIMIT = 64 * 2**20  # what may travel per call: the working tree plus carried paths (device README)
-
-
 def tree_bytes() -> int:
-    """Bytes of the working tree that travels with every call (tracked + untracked-not-ignored)."""
+    """Bytes of the working tree (tracked + untracked-not-ignored files)."""
     out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
                          check=True, capture_output=True).stdout.decode()  # fmt: skip
     return sum((ROOT / f).stat().st_size for f in out.split("\0") if f and (ROOT / f).is_file())
 
 
 def main() -> None:
+    import argparse
+
     from flashdraft.target import default_target_path
 
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument(
+        "--max-mib", type=int, default=0, help="each folder plus the working tree within this (0: one folder)"
+    )
+    a = ap.parse_args()
     folder, name = default_target_path()
     gguf = folder / name
-    room = LIMIT - tree_bytes() - 2**20  # a MiB of margin
-    part_mib = room // 2**20 - 1
+    room = (a.max_mib * 2**20 - tree_bytes() - 2**20) if a.max_mib else 2**62  # a MiB of margin
+    part_mib = min(room // 2**20 - 1, 1024)
     if part_mib < 4:
-        raise SystemExit(f"the working tree leaves {room / 2**20:.1f} MiB per call: too little to stage anything")
+        raise SystemExit(f"--max-mib {a.max_mib}: the working tree leaves {room / 2**20:.1f} MiB per folder; "
+                         "raise --max-mib or move models/ aside while staging")  # fmt: skip
     shutil.rmtree(STAGE, ignore_errors=True)
     (STAGE / "parts").mkdir(parents=True)
-    subprocess.run(["bash", "/work/shared/scripts/split-parts", str(gguf), str(STAGE / "parts"), str(part_mib)],
+    subprocess.run(["bash", str(ROOT / "benchmarks/gpu/parts.sh"), "split", str(gguf), str(STAGE / "parts"), str(part_mib)],
                    check=True, stdout=subprocess.DEVNULL)  # fmt: skip
     extra = STAGE / "extra"
     extra.mkdir()
-    shutil.copy("/work/shared/scripts/join-parts", extra)
     subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
                     "--python-version", "3.12", "--implementation", "cp", "--platform", "manylinux2014_x86_64",
                     "-d", str(extra), "gguf==0.19.0"], check=True)  # fmt: skip
@@ -78,7 +88,7 @@ def main() -> None:
     parts = sorted((STAGE / "parts").glob("*.part*"))
     (extra / "PARTS").write_text(f"{len(parts)}\n")  # stage.sh joins once this many parts are there
     files = [*sorted(extra.iterdir()), STAGE / "parts" / "SHA256", *parts]
-    # first-fit into call folders .stage/1, .stage/2, ... each within the room a call leaves
+    # first-fit into folders .stage/1, .stage/2, ... each within the room
     bins: list[list[Path]] = []
     for f in files:
         size = f.stat().st_size
@@ -94,8 +104,7 @@ def main() -> None:
             shutil.move(f, STAGE / str(k) / f.name)
     shutil.rmtree(STAGE / "parts")
     shutil.rmtree(extra)
-    print(f"{n} conversations; working tree {tree_bytes() / 2**20:.1f} MiB, {room / 2**20:.1f} MiB left per call; "
-          f"{len(bins)} staging calls:")  # fmt: skip
+    print(f"{n} conversations; working tree {tree_bytes() / 2**20:.1f} MiB; {len(bins)} folder(s) to copy:")
     for p in sorted(STAGE.glob("*/*")):
         print(f"  {p.relative_to(ROOT)}  {p.stat().st_size / 2**20:.1f} MiB")
 
