@@ -41,7 +41,7 @@ PY=${PY:-python3}
 [ -n "${DRY:-}" ] && [ -x .venv/bin/python ] && PY=.venv/bin/python
 OUT=${OUT:-/tmp/mfu_ab_out}
 mkdir -p "$OUT"
-WORK=$(mktemp -d /tmp/mfu_ab.XXXXXX)
+TMPD=$(mktemp -d /tmp/mfu_ab.XXXXXX)  # per-variant JSON, log and exit code
 VARIANTS=${VARIANTS:-"base fused all allgc cgraph allcg flex64 chunk8k"}
 TOTAL_S=${TOTAL_S:-240}              # the whole A/B: a variant gets at most what is left of this ...
 VARIANT_TIMEOUT_S=${VARIANT_TIMEOUT_S:-150}  # ... and at most this (the first compiles cold)
@@ -54,7 +54,7 @@ if [ -n "${DRY:-}" ]; then
         --host-threads 0)
 else
   # the bf16 HF copy stage.sh saves (~2 s a load); not env.sh's GGUF fallback (~20-40 s a load, per variant)
-  T=${MFU_TARGET:-$WORK/smollm2-bf16}
+  T=${MFU_TARGET:-${WORK:-}/smollm2-bf16}
   if [ ! -e "$T" ] && [ "$T" != random-smollm2 ]; then  # a bare machine: the same shapes, random weights
     echo "note: target $T not found: random-smollm2 (same shapes; MFU depends on shapes, the loss values do not)"
     T=random-smollm2
@@ -98,15 +98,15 @@ for v in $VARIANTS; do
   # shellcheck disable=SC2086
   envs=(); [ "$v" = all1t ] && envs=(OMP_NUM_THREADS=1); [ "$v" = all4t ] && envs=(OMP_NUM_THREADS=4)
   env "${envs[@]}" timeout "$limit" $PY benchmarks/train_throughput.py "${BASE[@]}" $flags \
-    --json "$WORK/$v.json" > "$WORK/$v.log" 2>&1
+    --json "$TMPD/$v.json" > "$TMPD/$v.log" 2>&1
   rc=$?
-  echo "$rc" > "$WORK/$v.rc"
+  echo "$rc" > "$TMPD/$v.rc"
   echo "== $v: exit $rc, $((SECONDS - t0)) s" | tee -a "$OUT/mfu_ab.log"
-  cat "$WORK/$v.log" >> "$OUT/mfu_ab.log"
-  [ "$rc" = 0 ] || grep -E "Error|error|Exception" "$WORK/$v.log" | tail -4
+  cat "$TMPD/$v.log" >> "$OUT/mfu_ab.log"
+  [ "$rc" = 0 ] || grep -E "Error|error|Exception" "$TMPD/$v.log" | tail -4
 done
 
-$PY - "$WORK" "$OUT" $VARIANTS <<'EOF'
+$PY - "$TMPD" "$OUT" $VARIANTS <<'EOF'
 import json, sys
 from pathlib import Path
 work, out, variants = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3:]

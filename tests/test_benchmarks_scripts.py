@@ -1,0 +1,252 @@
+"""The GPU scripts' command lines, checked on CPU (benchmarks/gpu/README.md).
+
+Each script runs with a recording `python3` first on PATH (it writes its arguments and exits 0), so nothing
+is computed; every command line the script built is then parsed by the parser it is meant for — the real
+typer CLI for `python3 -m flashdraft.cli …` (train overrides through the strict config loader too), the
+benchmark's own argparse for `python3 benchmarks/<script>.py …`. A renamed option, a mistyped config key or
+a path built from an unset folder fails here instead of on a GPU host.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+FD = ["-m", "flashdraft.cli"]
+
+
+def run_script(tmp_path: Path, script: str, *args: str, **env: str) -> list[list[str]]:
+    """Run benchmarks/gpu/`script` with a recording python3; the argument lists it passed, in order."""
+    bin_dir, log = tmp_path / "bin", tmp_path / "argv.jsonl"
+    bin_dir.mkdir(exist_ok=True)
+    fake = bin_dir / "python3"
+    # one line of output too, as a real run prints: the scripts filter it with grep, which fails on none
+    record = "import json, os, sys; open(os.environ['ARGV_LOG'], 'a').write(json.dumps(sys.argv[1:]) + chr(10)); print('ran')"
+    fake.write_text(f'#!/bin/sh\nexec "{sys.executable}" -c "{record}" "$@"\n')
+    fake.chmod(0o755)
+    full_env = {
+        **os.environ,
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        "ARGV_LOG": str(log),
+        "GPU_DIR": str(tmp_path / "gpu"),
+        **env,
+    }
+    for k in ("STAGE", "WORK", "OUT"):  # the defaults of env.sh are under test, not the caller's folders
+        if k not in env:
+            full_env.pop(k, None)
+    proc = subprocess.run(
+        ["bash", f"benchmarks/gpu/{script}", *args], cwd=REPO, env=full_env, stdin=subprocess.DEVNULL,
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+
+
+def parse_cli(args: list[str]) -> dict[str, Any]:
+    """The parameters the real `flashdraft` CLI parses from `args` (subcommand words first), not run."""
+    import typer
+
+    from flashdraft.cli import app
+
+    cmd = typer.main.get_command(app)
+    i = 0
+    while hasattr(cmd, "commands"):  # a group: descend by the subcommand words
+        cmd, i = cmd.commands[args[i]], i + 1
+    params = cmd.make_context(" ".join(args[:i]), list(args[i:])).params
+    # paths as the strings the script wrote (typer hands Path options over as Path)
+    return {k: ([str(x) if isinstance(x, Path) else x for x in v] if isinstance(v, (list, tuple)) else
+                str(v) if isinstance(v, Path) else v) for k, v in params.items()}  # fmt: skip
+
+
+class _Parsed(Exception):
+    def __init__(self, ns: argparse.Namespace) -> None:
+        self.ns = ns
+
+
+def parse_script(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> argparse.Namespace:
+    """`python3 benchmarks/X.py ARGS`: X's own argparse parses ARGS (unknown options fail); X does not run."""
+    path = REPO / argv[0]
+    monkeypatch.syspath_prepend(str(path.parent))  # as `python3 benchmarks/X.py` runs it: its folder first
+    spec = importlib.util.spec_from_file_location(f"_script_{path.stem}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    original = argparse.ArgumentParser.parse_args
+
+    def stop_after_parsing(self: argparse.ArgumentParser, *a: Any, **k: Any) -> argparse.Namespace:
+        raise _Parsed(original(self, *a, **k))
+
+    with monkeypatch.context() as m:
+        m.setattr(argparse.ArgumentParser, "parse_args", stop_after_parsing)
+        m.setattr(sys, "argv", [str(path), *argv[1:]])
+        with pytest.raises(_Parsed) as parsed:
+            module.main()
+    return parsed.value.ns
+
+
+def test_call2_data_regenerates_with_the_staged_prompts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = run_script(tmp_path, "call2_data.sh", MAX_TURNS="1", TEMPERATURE="0.8", SEED="3", REGEN_MIN="2.8")
+    stage, work = tmp_path / "gpu" / "stage", tmp_path / "gpu" / "work"
+    bench, regen = calls[0], calls[1]
+    assert bench[0] == "benchmarks/regen_throughput.py"
+    ns = parse_script(bench, monkeypatch)
+    assert ns.input == f"sharegpt:{stage}/sharegpt_compact.json.gz" and (ns.batch_size, ns.n) == (512, 512)
+    assert regen[:2] == FD
+    p = parse_cli(regen[2:])
+    assert p["input"] == [f"sharegpt:{stage}/sharegpt_compact.json.gz"] and p["out"] == str(work / "data")
+    assert (p["engine"], p["device"], p["dtype"], p["batch_size"]) == ("native", "cuda", "bfloat16", 512)
+    assert (p["max_turns"], p["temperature"], p["seed"], p["time_limit"]) == (1, 0.8, 3, 2.8)
+    assert p["contamination"] == [f"humaneval:{stage}/HumanEval.jsonl.gz"]
+    assert len(calls) == 2  # SKIP_BENCH unset: the throughput benchmark, then the regeneration
+
+
+def test_call3_train_overrides_load_as_a_train_config(tmp_path: Path) -> None:
+    from flashdraft.config import load_config
+    from flashdraft.train.config import TrainConfig
+
+    work = tmp_path / "gpu" / "work"
+    calls = run_script(
+        tmp_path,
+        "call3_train.sh",
+        "2200",
+        INIT_FROM="models/smollm2-135m-instruct-dflash-b16",
+        TRAIN_MIN="6.0",
+    )
+    train = [c for c in calls if c[:2] == FD]
+    assert len(train) == 1  # the fake trainer exits 0: no fallback run
+    p = parse_cli(train[0][2:])
+    assert p["config"] == "configs/smollm2-b16.yaml" and not p["resume"]
+    cfg = load_config(TrainConfig, REPO / p["config"], list(p["overrides"]))  # strict: an unknown key fails
+    assert (cfg.run_dir, cfg.data.dataset, cfg.optim.max_steps) == (
+        str(work / "run"),
+        str(work / "data"),
+        2200,
+    )
+    assert cfg.model.init_from == "models/smollm2-135m-instruct-dflash-b16"
+    assert (cfg.runtime.compile, cfg.data.blocks_per_row, cfg.runtime.time_limit_min) == (
+        "model,loss",
+        1024,
+        6.0,
+    )
+    assert cfg.model.target == str(tmp_path / "gpu" / "stage" / "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+    # a second invocation resumes the same run; DATA picks another dataset
+    (work / "run" / "checkpoints" / "step-00000200").mkdir(parents=True)
+    (tmp_path / "argv.jsonl").unlink()
+    calls = run_script(tmp_path, "call3_train.sh", "2200", DATA=str(tmp_path / "merged"))
+    p = parse_cli(next(c for c in calls if c[:2] == FD)[2:])
+    assert p["resume"]
+    assert load_config(TrainConfig, REPO / p["config"], list(p["overrides"])).data.dataset == str(
+        tmp_path / "merged"
+    )
+
+
+def test_call5_eval_runs_the_three_evals_and_decode_speed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    work, stage = tmp_path / "gpu" / "work", tmp_path / "gpu" / "stage"
+    calls = run_script(tmp_path, "call5_eval.sh", DECODE="1", PROMPTS_N="3")
+    evals = [parse_cli(c[2:]) for c in calls if c[:2] == FD]
+    assert [e["out"] for e in evals] == [
+        str(work / "evals" / n) for n in ("humaneval48", "sharegpt-heldout40", "humaneval16-t1")
+    ]
+    held_out = evals[1]["dataset"]
+    assert held_out == "benchmarks/results/h200-2026-12-02-sharegpt-heldout-split"
+    assert (REPO / held_out / "manifest.json").is_file()  # the held-out split the figures were measured on
+    for e in evals:
+        assert e["target"] == str(work / "smollm2-fp32") and (e["device"], e["dtype"]) == ("cuda", "float32")
+        assert e["drafter"] == ["models/smollm2-135m-instruct-dflash-b16", str(work / "drafter-bf16")]
+    assert (evals[0]["limit"], evals[0]["max_new_tokens"], evals[0]["budgets"], evals[0]["topk"]) == (
+        48,
+        256,
+        "8,16,32,64,128,256,512",
+        "8",
+    )
+    assert evals[2]["temperature"] == 1.0 and evals[0]["dataset"] == f"humaneval:{stage}/HumanEval.jsonl.gz"
+    saves = [c for c in calls if c[0] == "benchmarks/gpu/save_target.py"]
+    assert saves == [
+        [
+            "benchmarks/gpu/save_target.py",
+            str(stage / "SmolLM2-135M-Instruct.Q4_1.gguf"),
+            str(work / "smollm2-fp32"),
+            "float32",
+        ]
+    ]
+    decode = next(c for c in calls if c[0] == "benchmarks/decode_speed.py")
+    ns = parse_script(decode, monkeypatch)
+    assert (ns.drafter, ns.prompts, ns.max_new_tokens) == (str(work / "drafter-bf16"), 3, 256)
+
+
+def test_call4_measure_and_compare_compile_parse(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = run_script(tmp_path, "call4_measure.sh")
+    assert [c[0] for c in calls] == ["benchmarks/decode_speed.py"] * 2
+    t0, t1 = (parse_script(c, monkeypatch) for c in calls)
+    assert t0.drafter == str(tmp_path / "gpu" / "work" / "drafter-bf16") and t1.temperature == 1.0
+    (tmp_path / "argv.jsonl").unlink()
+    calls = run_script(tmp_path, "compare_compile.sh")
+    assert [c[0] for c in calls] == ["benchmarks/train_throughput.py"] * 3
+    assert [parse_script(c, monkeypatch).compile for c in calls] == [
+        "attention",
+        "attention,loss",
+        "model,loss",
+    ]
+
+
+def test_mfu_ab_variants_parse_and_target_the_staged_copy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    work = tmp_path / "gpu" / "work"
+    (work / "smollm2-bf16").mkdir(
+        parents=True
+    )  # what stage.sh saves; without it the script picks random weights
+    variants = "base fused chunk8k flex64 cgraph all allgc allht all1t"
+    calls = run_script(tmp_path, "mfu_ab.sh", VARIANTS=variants, TOTAL_S="600")
+    runs = [c for c in calls if c and c[0] == "benchmarks/train_throughput.py"]
+    assert len(runs) == len(variants.split())
+    parsed = [parse_script(c, monkeypatch) for c in runs]
+    assert all(ns.target == str(work / "smollm2-bf16") and ns.compile == "model,loss" for ns in parsed)
+    assert [ns.fused_ce for ns in parsed] == [False, True, True, False, False, True, True, True, True]
+
+
+def test_stage_uses_the_repository_helpers(tmp_path: Path) -> None:
+    """stage.sh joins the GGUF with parts.sh (sha256 checked) and saves the bf16 copy in $WORK."""
+    data = os.urandom(5 * 2**19)  # 2.5 MiB: three 1-MiB parts
+    parts = tmp_path / "parts"
+    src = tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    src.write_bytes(data)
+    subprocess.run(
+        ["bash", "benchmarks/gpu/parts.sh", "split", str(src), str(parts), "1"], cwd=REPO, check=True
+    )
+    stage = tmp_path / "gpu" / "stage"
+    stage.mkdir(parents=True)
+    for p in parts.iterdir():
+        (stage / p.name).write_bytes(p.read_bytes())
+    n = len(list(parts.glob("*.part*")))
+    assert n > 1
+    (stage / "PARTS").write_text(f"{n}\n")
+    calls = run_script(tmp_path, "stage.sh")
+    assert (stage / src.name).read_bytes() == data
+    gguf, work = stage / src.name, tmp_path / "gpu" / "work"
+    assert calls == [["benchmarks/gpu/save_target.py", str(gguf), str(work / "smollm2-bf16"), "bfloat16"]]
+
+    # a corrupted part is refused by the checksum
+    (stage / src.name).unlink()
+    first = sorted(stage.glob("*.part*"))[0]
+    first.write_bytes(b"x" + first.read_bytes()[1:])
+    out = subprocess.run(
+        ["bash", "benchmarks/gpu/parts.sh", "join", str(tmp_path / "j"), *map(str, sorted(stage.glob("*.part*")))],
+        cwd=REPO, capture_output=True, text=True,
+    )  # fmt: skip
+    assert out.returncode == 1 and "checksum mismatch" in out.stderr and not (tmp_path / "j").exists()
