@@ -1,6 +1,6 @@
 """Regeneration throughput (generated tokens/s): flashdraft's regenerator against transformers' plain generate.
 
-On one H200 (the lead runs this; the goal is >= 20,000 generated tokens/s for SmolLM2-135M-Instruct):
+On a CUDA GPU (the H200 figure: benchmarks/RESULTS.md, "Regeneration"):
 
     python benchmarks/regen_throughput.py --device cuda --dtype bfloat16 --n 4096 --batch-size 2048 \
         --max-new-tokens 256 --out benchmarks/results/regen_throughput.json
