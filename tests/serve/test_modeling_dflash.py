@@ -198,3 +198,25 @@ def test_spec_generate_accepting_whole_blocks(tmp_path: Path) -> None:
     assert out[0].tolist() == [1, 2, 3] + [7] * 10 == greedy_ar(target.model, ids, 10)
     out = model.spec_generate(target=target.model, input_ids=ids, max_new_tokens=10, stop_token_ids=[7])
     assert out[0].tolist() == [1, 2, 3, 7]  # ends at (and keeps) the first stop token
+
+
+SHIPPED = Path(__file__).resolve().parents[2] / "models" / "smollm2-135m-instruct-dflash-b16"
+
+
+@pytest.mark.skipif(
+    not (SHIPPED / "model.safetensors").is_file(), reason="the shipped drafter is not in this checkout"
+)
+def test_shipped_drafter_loads_through_automodel() -> None:
+    assert (SHIPPED / "modeling_dflash.py").read_bytes() == MODELING_FILE.read_bytes()  # the copy is current
+    cfg = json.loads((SHIPPED / "config.json").read_text())
+    assert (
+        cfg["auto_map"] == AUTO_MAP and cfg["dflash_config"]["mask_token"] == "ectable"
+    )  # SmolLM2's row 49151
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [
+        i + 1 for i in cfg["dflash_config"]["target_layer_ids"]
+    ]
+    model = auto_model(SHIPPED, torch.float64)
+    ours = DFlashDrafter.from_pretrained(SHIPPED, dtype=torch.float64)
+    th, ne, pos = inputs(ours.config, b=1, c=6, q=16, dtype=torch.float64)
+    with torch.no_grad():
+        assert torch.equal(model(position_ids=pos, noise_embedding=ne, target_hidden=th), ours(th, ne, pos))
