@@ -182,19 +182,16 @@ class DFlashAttention(nn.Module):
         cos: torch.Tensor,  # [b, c + q, head_dim] for the context rows, then the block
         sin: torch.Tensor,
         positions: torch.Tensor,  # [b, c + q]
-        attention_mask: torch.Tensor | None,  # [b|1, 1|heads, q, kv]: bool (True = attend) or additive
+        attention_mask: torch.Tensor | None,  # bool [b|1, 1|heads, q, kv], True = attend
         cache: Any | None,  # a transformers Cache (or anything with .update(k, v, layer_idx) -> (k, v))
     ) -> torch.Tensor:
         b, q_len, _ = x.shape
         c = ctx.shape[1]
-        q = self.q_norm(self.q_proj(x).view(b, q_len, self.n_heads, self.head_dim)).transpose(
-            1, 2
-        )  # [b, heads, q, hd]
+        # q: [b, heads, q, hd]; k, v: [b, kv_heads, c + q, hd] from the context rows, then the block
+        q = self.q_norm(self.q_proj(x).view(b, q_len, self.n_heads, self.head_dim)).transpose(1, 2)
         kv_in = torch.cat([ctx, x], dim=1)  # [b, c + q, H]
         k = self.k_norm(self.k_proj(kv_in).view(b, c + q_len, self.n_kv, self.head_dim)).transpose(1, 2)
-        v = (
-            self.v_proj(kv_in).view(b, c + q_len, self.n_kv, self.head_dim).transpose(1, 2)
-        )  # [b, kv, c + q, hd]
+        v = self.v_proj(kv_in).view(b, c + q_len, self.n_kv, self.head_dim).transpose(1, 2)
         cos_h, sin_h = cos.unsqueeze(1), sin.unsqueeze(1)  # [b, 1, c + q, hd]
         k = k * cos_h + rotate_half(k) * sin_h  # keys at all their positions
         q = q * cos_h[:, :, c:] + rotate_half(q) * sin_h[:, :, c:]  # queries at the block's positions
@@ -241,11 +238,8 @@ class DFlashDraftModel(PreTrainedModel):
     def __init__(self, config: Qwen3Config) -> None:
         super().__init__(config)
         s = DFlashSettings.from_config(config)
-        self.block_size, self.mask_token_id, self.target_layer_ids = (
-            s.block_size,
-            s.mask_token_id,
-            s.target_layer_ids,
-        )
+        self.block_size, self.mask_token_id = s.block_size, s.mask_token_id
+        self.target_layer_ids = s.target_layer_ids
         h = config.hidden_size
         self.fc = nn.Linear(len(self.target_layer_ids) * h, h, bias=False)
         self.hidden_norm = DFlashRMSNorm(h, config.rms_norm_eps)
