@@ -14,8 +14,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
-import tempfile
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -23,6 +21,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from flashdraft.files import apply_umask, atomic_folder
 
 # ----------------------------------------------------------------------------- config
 
@@ -41,6 +41,13 @@ def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> lis
         return [num_target_layers // 2]
     start, end = 1, num_target_layers - 3
     return [round(start + i * (end - start) / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+
+
+# The same target layers in vLLM's numbering, which some vLLM versions read instead of
+# dflash_config.target_layer_ids (vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py): vLLM
+# captures the hidden state *entering* layer k (k = 0 is the embedding output), DFlash names the
+# output of layer i, so DFlash layer i is vLLM's i + 1.
+VLLM_AUX_LAYERS_KEY = "eagle_aux_hidden_state_layer_ids"
 
 
 @dataclass
@@ -137,6 +144,7 @@ class DFlashConfig:
             raise ValueError(f"{source}: field 'dflash_config.mask_token_id' is missing")
         if "vocab_size" not in kw:
             raise ValueError(f"{source}: field 'vocab_size' is missing")
+        raw.pop(VLLM_AUX_LAYERS_KEY, None)  # derived from target_layer_ids, written again by to_json_dict
         ids = dflash.pop("target_layer_ids", None)
         if ids is None:
             ids = build_target_layer_ids(kw["num_target_layers"], kw["num_hidden_layers"])
@@ -166,6 +174,7 @@ class DFlashConfig:
                 "target_layer_ids": ids,
                 "block_size": self.block_size,
             },
+            VLLM_AUX_LAYERS_KEY: [i + 1 for i in ids],
         }
         out.pop("rope_parameters", None)  # we write rope_theta/rope_scaling, as the releases do
         if self.layer_types is None:
@@ -526,26 +535,16 @@ class DFlashDrafter(nn.Module):
         return model.to(device).eval()
 
     def save_pretrained(self, path: str | os.PathLike[str], dtype: torch.dtype | None = None) -> Path:
-        """Write config.json + model.safetensors atomically (temp folder, then rename)."""
+        """Write config.json + model.safetensors atomically (a folder staged beside `path`, then renamed;
+        an existing `path` is replaced, as `save_pretrained` does in transformers)."""
         from safetensors.torch import save_file
 
         dest = Path(path)
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
-        try:
+        with atomic_folder(dest, overwrite=True) as tmp:
             state = {k: v.detach().to(dtype or v.dtype).contiguous().cpu() for k, v in self.state_dict().items()}
             save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+            apply_umask(tmp / "model.safetensors")  # safetensors makes it 0600
             cfg = self.config.to_json_dict()
             cfg["dtype"] = str(next(iter(state.values())).dtype).removeprefix("torch.")
             (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-            if dest.exists():
-                old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
-                dest.rename(old)
-                tmp.rename(dest)
-                shutil.rmtree(old)
-            else:
-                tmp.rename(dest)
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)
         return dest

@@ -311,11 +311,12 @@ def _save_gguf_copy(model: nn.Module, tokenizer: Any, folder: Path) -> None:
     to write only costs the next load its speed."""
     import os
     import shutil
-    import tempfile
+
+    from flashdraft.files import apply_umask, stage_dir
 
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+        tmp = stage_dir(folder)  # with the user's umask (mkdtemp would make it 0700)
         try:
             from safetensors.torch import save_file
 
@@ -335,7 +336,7 @@ def _save_gguf_copy(model: nn.Module, tokenizer: Any, folder: Path) -> None:
                 metadata={"format": "pt"},
             )
             tokenizer.save_pretrained(tmp)
-            tmp.chmod(0o755)  # mkdtemp makes it private
+            apply_umask(tmp / "model.safetensors")  # safetensors makes it 0600
             os.replace(tmp, folder)  # fails if another process wrote it first: theirs is kept
         except OSError:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from flashdraft.eval.evaluate import EvalReport
+from flashdraft.files import atomic_write_text  # also imported from here by eval/cli.py and eval/watch.py
 
 
 @dataclass
@@ -26,14 +25,6 @@ class ReportFiles:
     json: Path
     markdown: Path
     plots: list[Path]
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
 
 
 def _clean(x: Any) -> Any:

@@ -2,7 +2,7 @@
 
 flashdraft serve                                          # default target + shipped drafter on 127.0.0.1:8000
 flashdraft serve --drafter RUN/checkpoints/step-00001000/drafter --method ddtree --budget 8 --api-key KEY
-flashdraft export RUN --to out/my-drafter --dtype bfloat16 --target HuggingFaceTB/SmolLM2-135M-Instruct
+flashdraft export RUN --to out/my-drafter --dtype bfloat16 --target HuggingFaceTB/SmolLM2-135M-Instruct [--overwrite]
 """
 
 from __future__ import annotations
@@ -94,20 +94,31 @@ def register(app: typer.Typer) -> None:
         source: str = typer.Argument(
             ..., help="a DFlash checkpoint folder, a run folder, or a run's step folder"
         ),
-        to: str = typer.Option(..., "--to", help="output folder (replaced atomically)"),
+        to: str = typer.Option(..., "--to", help="output folder: new or empty, or replaced with --overwrite"),
+        overwrite: bool = typer.Option(
+            False,
+            "--overwrite",
+            help="replace a non-empty --to folder (atomically: the new one is swapped in whole)",
+        ),
         dtype: str = typer.Option("bfloat16", help="bfloat16 | float16 | float32"),
         target: str | None = typer.Option(
             None,
-            help="the target model id/path for the README launch commands (default: from the run config)",
+            help="the target (folder, hub id, .gguf or 'default'): its tokenizer gives the mask token's string, "
+            "its name goes into the README launch commands (default: from the run config)",
         ),
     ) -> None:
-        """Write a clean DFlash checkpoint that SGLang and vLLM load unchanged, and verify it."""
+        """Write a DFlash checkpoint that SGLang, vLLM and transformers load unchanged, and verify it."""
         from flashdraft.serve.export import export_drafter
 
         try:
-            res = export_drafter(source, to, dtype=dtype, target=target)
-        except (ValueError, FileNotFoundError) as e:
+            res = export_drafter(source, to, dtype=dtype, target=target, overwrite=overwrite)
+        except (ValueError, FileNotFoundError, FileExistsError) as e:
             raise typer.BadParameter(str(e)) from None
         typer.echo(f"exported {res.source} -> {res.dest} ({res.dtype}, {res.num_parameters:,} parameters)")
         typer.echo(f"verified: reloaded outputs identical at {res.dtype} (max |diff| {res.max_abs_diff})")
+        if res.mask_token is None:
+            typer.echo(
+                "warning: the target's tokenizer has no string for the mask token id: SGLang cannot serve "
+                "this drafter (vLLM, transformers and flashdraft can)"
+            )
         typer.echo(f"launch commands for SGLang / vLLM: {res.dest / 'README.md'}")

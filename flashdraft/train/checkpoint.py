@@ -18,12 +18,13 @@ import json
 import os
 import re
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from flashdraft.files import apply_umask, stage_dir
 
 CHECKPOINTS = "checkpoints"
 DRAFTER = "drafter"
@@ -129,11 +130,12 @@ def save_checkpoint(run_dir: str | os.PathLike[str], step: int, drafter: Any, st
 
     dest = checkpoint_dir(run_dir, step)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+    tmp = stage_dir(dest)  # not mkdtemp: that one is 0700 whatever the umask
     try:
         drafter.save_pretrained(tmp / DRAFTER)  # master-weight dtype: resume must be exact
         skel, tensors = flatten_state(state.state)
         save_file(tensors, str(tmp / STATE_TENSORS))
+        apply_umask(tmp / STATE_TENSORS)  # safetensors makes it 0600
         info = {**state.info, "step": step, "state": skel}
         (tmp / STATE_JSON).write_text(json.dumps(info, indent=1) + "\n")
         if dest.exists():  # re-saving a step (a SIGUSR1 right at a scheduled checkpoint): replace

@@ -43,12 +43,28 @@ def test_serve_refuses_unknown_method_before_loading() -> None:
 
 
 def test_export_command(tmp_path: Path) -> None:
+    from tests.serve.test_export import tiny_tokenizer
+
     target = tiny_target("llama", dtype=torch.float32)
     tiny_drafter(target, block_size=16).float().save_pretrained(tmp_path / "src")
-    r = runner.invoke(app, ["export", str(tmp_path / "src"), "--to", str(tmp_path / "out")])
+    tok = str(tiny_tokenizer(tmp_path / "tok"))
+    args = ["export", str(tmp_path / "src"), "--to", str(tmp_path / "out"), "--target", tok]
+    r = runner.invoke(app, args)
     assert r.exit_code == 0, r.output
     assert "identical at bfloat16" in r.output
     assert json.loads((tmp_path / "out" / "config.json").read_text())["dtype"] == "bfloat16"
+    r = runner.invoke(app, args)  # the folder now holds the export: one line, nothing replaced
+    assert r.exit_code != 0 and "is not empty: pass --overwrite" in r.output and "Traceback" not in r.output
+    r = runner.invoke(app, [*args, "--overwrite"])
+    assert r.exit_code == 0, r.output
+    r = runner.invoke(
+        app, ["export", str(tmp_path / "src"), "--to", str(tmp_path), "--overwrite", "--target", tok]
+    )
+    assert (
+        r.exit_code != 0
+        and "contains the source" in r.output
+        and (tmp_path / "src" / "config.json").is_file()
+    )
     r = runner.invoke(app, ["export", str(tmp_path / "nothing"), "--to", str(tmp_path / "o2")])
     assert r.exit_code != 0 and "no such folder" in r.output
 
