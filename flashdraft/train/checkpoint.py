@@ -1,6 +1,6 @@
 """Run folders and checkpoints (the layout is a contract with eval and serve/export).
 
-    RUN/config.yaml  command.txt  metrics.jsonl  tensorboard/
+    RUN/config.yaml  command.txt  metrics.jsonl  tensorboard/  heartbeat.json (flashdraft/train/lifecycle.py)
     RUN/checkpoints/step-00001234/drafter/                    plain DFlash folder (from_pretrained works)
     RUN/checkpoints/step-00001234/trainer_state.safetensors   optimizer tensors, RNG states
     RUN/checkpoints/step-00001234/trainer_state.json          step, epoch, data position, config hash, ...
@@ -10,6 +10,7 @@ A checkpoint is written into a temp folder and renamed: a `step-*` folder that e
 
     list_checkpoints("runs/x")       # [Path(.../step-00001000), ...] sorted by step
     latest_checkpoint("runs/x")      # the newest complete one, or None
+    resume_checkpoint("runs/x")      # the newest one whose files are intact (--resume), or None
 """
 
 from __future__ import annotations
@@ -58,6 +59,71 @@ def list_checkpoints(run_dir: str | os.PathLike[str]) -> list[Path]:
 def latest_checkpoint(run_dir: str | os.PathLike[str]) -> Path | None:
     found = list_checkpoints(run_dir)
     return found[-1] if found else None
+
+
+def checkpoint_problem(checkpoint: str | os.PathLike[str]) -> str | None:
+    """Why a checkpoint folder cannot be resumed from ("drafter/model.safetensors: truncated ..."), or None.
+
+    Reads the JSON files and the safetensors headers only: a truncated safetensors file fails its header check."""
+    from safetensors import safe_open
+
+    ckpt = Path(checkpoint)
+    for part in (STATE_JSON, f"{DRAFTER}/config.json", STATE_TENSORS, f"{DRAFTER}/model.safetensors"):
+        path = ckpt / part
+        if not path.is_file():
+            return f"{part} is missing"
+        try:
+            if part.endswith(".json"):
+                info = json.loads(path.read_text())
+                if part == STATE_JSON and (not isinstance(info, dict) or "state" not in info):
+                    return f"{part} has no 'state'"
+            else:
+                with safe_open(str(path), framework="pt"):
+                    pass
+        except json.JSONDecodeError as e:
+            return f"{part}: invalid JSON ({e.msg})"
+        except Exception as e:  # noqa: BLE001 — safetensors' own error type: a truncated or corrupt file
+            return f"{part}: unreadable ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+    return None
+
+
+def resume_checkpoint(run_dir: str | os.PathLike[str], warn: Any = None) -> Path | None:
+    """The newest checkpoint that is intact; each newer broken one is skipped with one line to `warn`."""
+    for ckpt in reversed(list_checkpoints(run_dir)):
+        problem = checkpoint_problem(ckpt)
+        if problem is None:
+            return ckpt
+        if warn is not None:
+            warn(f"warning: --resume: skipping {ckpt} ({problem}); trying the one before it")
+    return None
+
+
+# drafter config.json field -> the TrainConfig setting that decides it (None: the target does)
+ARCHITECTURE = {
+    "num_hidden_layers": "model.num_layers", "block_size": "model.block_size",
+    "target_layer_ids": "model.target_layer_ids", "mask_token_id": "model.mask_token_id",
+    "num_attention_heads": "model.num_attention_heads", "num_key_value_heads": "model.num_key_value_heads",
+    "head_dim": "model.head_dim", "intermediate_size": "model.intermediate_size",
+    "hidden_size": None, "vocab_size": None, "num_target_layers": None,
+}  # fmt: skip
+
+
+def architecture_mismatch(checkpoint: str | os.PathLike[str], config: Any) -> str | None:
+    """One line naming the first drafter setting where `checkpoint` differs from `config` (a DFlashConfig)."""
+    from flashdraft.drafter import DFlashConfig
+
+    path = Path(checkpoint) / DRAFTER / "config.json"
+    saved = DFlashConfig.from_json_dict(json.loads(path.read_text()), source=str(path))
+    for key, setting in ARCHITECTURE.items():
+        theirs, mine = getattr(saved, key), getattr(config, key)
+        if theirs == mine:
+            continue
+        fix = f"set {setting}={theirs}" if setting else "use the target it was trained with (model.target)"
+        return (
+            f"--resume: {path} has {key}={theirs}, this run's drafter has {mine}: {fix} to continue it, "
+            "or start a new run_dir"
+        )
+    return None
 
 
 # ----------------------------------------------------------------------------- nested state ↔ flat tensors

@@ -18,9 +18,10 @@ from typing import Any
 import torch
 
 from flashdraft.config import ConfigError, save_config, to_dict
-from flashdraft.train.checkpoint import latest_checkpoint, list_checkpoints
+from flashdraft.train.checkpoint import architecture_mismatch, latest_checkpoint, resume_checkpoint
 from flashdraft.train.config import TrainConfig
 from flashdraft.train.distributed import DistributedTrainer, init_distributed, shutdown, wrap_drafter
+from flashdraft.train.lifecycle import Heartbeat, RunSignals
 from flashdraft.train.pipeline import FrozenHeads, build_source, resolve_target_device
 from flashdraft.train.telemetry import GpuStats, TelemetryLogger
 from flashdraft.train.trainer import Trainer, TrainResult
@@ -100,7 +101,9 @@ def build_drafter(cfg: TrainConfig, target: Any, device: torch.device, dtype: to
 
     m = cfg.model
     if m.init_from_target not in INIT_FROM_TARGET:
-        raise ConfigError(f"model.init_from_target {m.init_from_target!r}: use one of {', '.join(INIT_FROM_TARGET)}")
+        raise ConfigError(
+            f"model.init_from_target {m.init_from_target!r}: use one of {', '.join(INIT_FROM_TARGET)}"
+        )
     if m.init_from and m.init_from_target != "none":
         raise ConfigError("model.init_from and model.init_from_target both set: pick one starting point")
     if m.init_from:
@@ -147,12 +150,18 @@ def open_samples(cfg: TrainConfig) -> tuple[Any, list[int]]:
 
 def prepare_run_dir(cfg: TrainConfig, resume: bool, command: str | None) -> Path:
     run = Path(cfg.run_dir)
-    if not resume and list_checkpoints(run):
+    held = sorted(p.name for p in run.iterdir()) if run.is_dir() else []
+    if not resume and held:
+        shown = ", ".join(held[:4]) + (", ..." if len(held) > 4 else "")
         raise ConfigError(
-            f"{run} already has checkpoints: pass --resume to continue it, or set run_dir to a new folder"
+            f"run_dir {run} is not empty ({shown}): pass --resume to continue it, move it aside with "
+            f"`flashdraft runs archive {run}`, or set run_dir to a new folder"
         )
     if resume and latest_checkpoint(run) is None:
-        raise ConfigError(f"--resume: {run}/checkpoints has no complete checkpoint; start without --resume")
+        raise ConfigError(
+            f"--resume: {run}/checkpoints has no complete checkpoint: move the run aside with "
+            f"`flashdraft runs archive {run}` and start without --resume"
+        )
     run.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run / "config.yaml")
     line = command if command is not None else " ".join(sys.argv)
@@ -175,7 +184,18 @@ def train(
     elif not cfg.data.dataset:
         cfg.data.dataset = "<in-memory>"
         cfg.validate()
+    # SIGUSR1/SIGINT/SIGTERM handled from start-up: a request while loading waits for the first step
+    with RunSignals() as signals:
+        return _train(cfg, signals, resume=resume, command=command, target=target, samples=samples,
+                      on_step_end=on_step_end)  # fmt: skip
+
+
+def _train(
+    cfg: TrainConfig, signals: RunSignals, *, resume: bool, command: str | None, target: Any, samples: Any,
+    on_step_end: Any,
+) -> TrainResult:  # fmt: skip
     ctx = init_distributed(cfg.distributed.backend, cfg.runtime.device)  # torchrun: one rank per process
+    heartbeat: Heartbeat | None = None
     try:
         device = ctx.device if ctx.device is not None else resolve_device(cfg)
         if device.type == "cuda" and device.index is None:  # "cuda" == "cuda:0" for placement comparisons
@@ -186,6 +206,7 @@ def train(
             torch.use_deterministic_algorithms(True)
         if ctx.is_main:
             run = prepare_run_dir(cfg, resume, command)
+            heartbeat = Heartbeat(run).start()
         ctx.barrier()
         run = Path(cfg.run_dir)
         try:
@@ -235,18 +256,49 @@ def train(
                       file=sys.stderr)  # fmt: skip
         kw: dict[str, Any] = dict(
             run_dir=run, model=model, logger=logger, device=device, compute_dtype=prec.compute,
-            attention=attention, on_step_end=on_step_end, vocab=vocab,
+            attention=attention, on_step_end=on_step_end, vocab=vocab, signals=signals,
         )  # fmt: skip
         if ctx.active:
             trainer: Trainer = DistributedTrainer(cfg, heads, drafter, source, ctx=ctx, **kw)
         else:
             trainer = Trainer(cfg, heads, drafter, source, **kw)
         if resume:
-            ckpt = latest_checkpoint(run)
-            assert ckpt is not None
-            trainer.restore(ckpt)
-            if ctx.is_main:
-                print(f"resumed from {ckpt} (step {trainer.step})", file=sys.stderr)
-        return trainer.run()
+            resume_from(trainer, run, verbose=ctx.is_main)
+        if heartbeat is not None:
+            heartbeat.progress = lambda: {
+                "step": trainer.step, "total_steps": trainer.total_steps,
+                "checkpoint": str(trainer.last_checkpoint) if trainer.last_checkpoint else None,
+            }  # fmt: skip
+        result = trainer.run()
+        if heartbeat is not None:
+            signalled = result.stopped in ("SIGINT", "SIGTERM")
+            heartbeat.finish("stopped" if signalled else "finished", result.stopped)
+        return result
+    except BaseException as e:
+        if heartbeat is not None:
+            if isinstance(e, SystemExit):  # a stop signal outside the steps, or a second one
+                heartbeat.finish("stopped", f"exited at once on a signal (exit {e.code})")
+            else:
+                heartbeat.finish("failed", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        raise
     finally:
         shutdown(ctx)
+
+
+def resume_from(trainer: Trainer, run: Path, *, verbose: bool) -> Path:
+    """Restore the newest intact checkpoint (a broken newer one is skipped with a warning); a checkpoint of
+    another drafter architecture is refused with the setting that differs."""
+    warn = (lambda line: print(line, file=sys.stderr)) if verbose else None
+    ckpt = resume_checkpoint(run, warn)
+    if ckpt is None:
+        raise ConfigError(
+            f"--resume: no intact checkpoint in {run}/checkpoints (each one is missing or truncated): move the "
+            f"run aside with `flashdraft runs archive {run}` and start without --resume"
+        )
+    mismatch = architecture_mismatch(ckpt, trainer.drafter.config)
+    if mismatch is not None:
+        raise ConfigError(mismatch)
+    trainer.restore(ckpt)
+    if verbose:
+        print(f"resumed from {ckpt} (step {trainer.step})", file=sys.stderr)
+    return ckpt

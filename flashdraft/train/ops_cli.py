@@ -92,7 +92,8 @@ def features_dump(
 
 @runs_app.command("list")
 def runs_list(root: str = typer.Argument("runs", help="folder holding run folders")) -> None:
-    """One line per run: name, step, last loss, τ proxy, last eval τ, age."""
+    """One line per run: name, state (running / finished / stopped / failed), step, last loss, τ proxy, last eval τ,
+    age."""
     from flashdraft.train.runs import list_runs
 
     lines = list_runs(root)
@@ -104,7 +105,8 @@ def runs_list(root: str = typer.Argument("runs", help="folder holding run folder
 
 @runs_app.command("status")
 def runs_status(run: str = typer.Argument(..., help="a run folder")) -> None:
-    """Print a handoff summary of RUN and write it to RUN/STATUS.md."""
+    """Print a handoff summary of RUN (is it running, finished or stopped, and what --resume would lose; progress;
+    every evaluated step) and write it to RUN/STATUS.md."""
     from flashdraft.train.runs import RunError, write_status
 
     try:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
+import math
 import queue
 import sys
 import threading
@@ -52,6 +53,18 @@ class _Error:
 
 
 _END = object()
+
+STARVE_WARN_EVERY_S = 60.0  # the starvation warning at most once a minute: the metrics carry every interval
+
+
+@dataclass
+class _Pull:
+    """One micro-batch the consumer took, for the starvation window."""
+
+    wait_s: float  # the consumer waited for it
+    cycle_s: float  # since the previous pull: its wait + the trainer's own work
+    tokens: int
+    produce_s: float
 
 
 class _Interval:
@@ -91,7 +104,8 @@ class QueuedSource:
         self._stop = threading.Event()
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=max(1, self.depth))
         self._interval = _Interval()
-        self._window: collections.deque[tuple[float, float]] = collections.deque(maxlen=starve_window)
+        self._window: collections.deque[_Pull] = collections.deque(maxlen=starve_window)
+        self._warned_at: float | None = None  # time.monotonic() of the last starvation warning
         self._last_get: float | None = None  # end of the previous pull (None: nothing pulled yet)
         self.startup_wait_s = 0.0  # the first pull waits for the first target pass: not starvation
 
@@ -226,7 +240,7 @@ class QueuedSource:
         if self._last_get is None:
             self.startup_wait_s = wait
         else:
-            self._window.append((wait, now - self._last_get))
+            self._window.append(_Pull(wait, now - self._last_get, item.batch.num_tokens, item.produce_s))
             iv.wait_s += wait
         self._last_get = now
         iv.batches += 1
@@ -251,8 +265,26 @@ class QueuedSource:
 
     def window_wait_fraction(self) -> float:
         """Consumer wait / wall time over the last `starve_window` micro-batches (startup excluded)."""
-        total = sum(c for _, c in self._window)
-        return sum(w for w, _ in self._window) / total if total > 0 else 0.0
+        total = sum(p.cycle_s for p in self._window)
+        return sum(p.wait_s for p in self._window) / total if total > 0 else 0.0
+
+    def bottleneck(self) -> str:
+        """Why the trainer waits, from the window's rates: producer tokens/s vs the trainer's own tokens/s."""
+        w = list(self._window)
+        tokens = sum(p.tokens for p in w)
+        produce_s = sum(p.produce_s for p in w)
+        busy_s = sum(max(0.0, p.cycle_s - p.wait_s) for p in w)
+        made = tokens / produce_s if produce_s > 0 else math.inf
+        taken = tokens / busy_s if busy_s > 0 else math.inf
+        rates = f"the producer makes {made:,.0f} target tokens/s, the trainer takes {taken:,.0f}"
+        if self.depth == 0:
+            return f"{rates}; pipeline.queue_depth=0 runs the producer inline: set pipeline.queue_depth > 0"
+        if made < taken:
+            return (
+                f"{rates}: the producer is the bottleneck and a longer queue cannot help; put the target on its "
+                "own GPU (runtime.target_device) or use pipeline.mode=offline"
+            )
+        return f"{rates}: the producer keeps up on average but the queue ran dry; raise pipeline.queue_depth"
 
     def take_stats(self) -> dict[str, float]:
         """Pipeline metrics since the previous call (host floats); warns loudly when the trainer starves."""
@@ -268,12 +300,14 @@ class QueuedSource:
             "pipeline/consumer_wait_frac": min(1.0, iv.wait_s / elapsed),
             "pipeline/consumer_wait_frac_window": window,
         }
-        if len(self._window) >= min(self.starve_window, 2) and window > self.starve_threshold:
+        now = time.monotonic()
+        due = self._warned_at is None or now - self._warned_at >= STARVE_WARN_EVERY_S
+        if due and len(self._window) >= min(self.starve_window, 2) and window > self.starve_threshold:
+            self._warned_at = now
             print(
                 f"WARNING: trainer starved: it waited for features {window:.1%} of the time over the last "
-                f"{len(self._window)} micro-batches (threshold {self.starve_threshold:.0%}); producer "
-                f"{stats['pipeline/producer_s_per_batch']:.3f} s/batch. Raise pipeline.queue_depth, put the "
-                "target on its own GPU (runtime.target_device), or use pipeline.mode=offline",
+                f"{len(self._window)} micro-batches (threshold {self.starve_threshold:.0%}): "
+                f"{self.bottleneck()} (this warning: at most once a minute)",
                 file=sys.stderr,
             )
         return stats

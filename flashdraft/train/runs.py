@@ -5,8 +5,11 @@
     flashdraft runs archive runs/smollm2-b16
 
 Everything is read from the run folder contract (flashdraft/train/checkpoint.py): config.yaml,
-command.txt, metrics.jsonl, checkpoints/step-*/trainer_state.json, eval/log.jsonl. Nothing
-here needs torch or the target, so it works on a machine that only has the folder.
+command.txt, metrics.jsonl, heartbeat.json (flashdraft/train/lifecycle.py), checkpoints/step-*/,
+eval/log.jsonl. Nothing here needs the target, so it works on a machine that only has the folder.
+
+A run's state: running (pid and host) / finished (why) / stopped or failed (why, what `--resume`
+restarts from and how many steps that loses); a "running" heartbeat whose process is gone is stopped.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from flashdraft.train.checkpoint import STATE_JSON, list_checkpoints, step_of
+from flashdraft.train.checkpoint import STATE_JSON, list_checkpoints, resume_checkpoint, step_of
+from flashdraft.train.lifecycle import process_gone, read_heartbeat
 from flashdraft.train.metrics import read_jsonl, read_metrics
 
 STATUS_FILE = "STATUS.md"
@@ -36,6 +40,14 @@ class CheckpointInfo:
     path: Path
     step: int
     eval: dict[str, Any] | None  # the checkpoint's line in eval/log.jsonl, if evaluated
+
+
+@dataclass
+class RunState:
+    state: str  # "running" | "finished" | "stopped" | "failed" | "unknown" (no heartbeat.json)
+    line: str  # the state in one line
+    started: float | None = None  # unix time this process started (a resumed run: the resume)
+    elapsed_s: float | None = None  # to now while running, else to its last heartbeat
 
 
 @dataclass
@@ -56,6 +68,8 @@ class RunSummary:
     checkpoints: list[CheckpointInfo] = field(default_factory=list)
     last_eval: dict[str, Any] | None = None
     updated: float | None = None  # unix time of the newest metrics line
+    evals: list[dict[str, Any]] = field(default_factory=list)  # eval/log.jsonl, one per step, by step
+    state: RunState | None = None
 
     @property
     def eta_s(self) -> float | None:
@@ -109,6 +123,11 @@ def summarize(run: str | os.PathLike[str]) -> RunSummary:
     command = (
         (run / "command.txt").read_text().strip().splitlines() if (run / "command.txt").is_file() else []
     )
+    beat = read_heartbeat(run)
+    if beat is not None and isinstance(beat.get("step"), int):
+        step = max(step, beat["step"])
+    if beat is not None and not total and isinstance(beat.get("total_steps"), int):
+        total = beat["total_steps"]
     return RunSummary(
         path=run, config_digest=digest, config=cfg if isinstance(cfg, dict) else {},
         command=command[-1] if command else "-", step=step, total_steps=int(total) if total else None,
@@ -116,8 +135,45 @@ def summarize(run: str | os.PathLike[str]) -> RunSummary:
         last=last, step_time_s=_recent_mean(metrics, "step_time_s"), tokens_per_s=_recent_mean(metrics, "tokens_per_s"),
         model_tflops_per_s=_recent_mean(metrics, "model_tflops_per_s"), mfu=_recent_mean(metrics, "mfu"),
         checkpoints=ckpts, last_eval=evals[max(evals)] if evals else None,
-        updated=last.get("time") if metrics else None,
+        updated=last.get("time") if metrics else None, evals=[evals[k] for k in sorted(evals)],
+        state=run_state(run, beat, step, time.time()),
     )  # fmt: skip
+
+
+def _resume_loss(run: Path, step: int) -> str:
+    ckpt = resume_checkpoint(run)
+    if ckpt is None:
+        return f"--resume has no checkpoint to restart from (all {step} steps lost)"
+    lost = max(0, step - step_of(ckpt))
+    return f"--resume restarts from step {step_of(ckpt)} (loses {lost} step{'s' if lost != 1 else ''})"
+
+
+def run_state(run: Path, beat: dict[str, Any] | None, step: int, now: float) -> RunState:
+    """What the run's process is doing, from RUN/heartbeat.json (see flashdraft/train/lifecycle.py)."""
+    if beat is None:
+        return RunState(
+            "unknown", "unknown: no heartbeat.json (a run from before heartbeats, or not started)"
+        )
+    started, last = beat.get("started"), beat.get("heartbeat")
+    started = started if isinstance(started, (int, float)) else None
+    last = last if isinstance(last, (int, float)) else None
+    state, reason = str(beat.get("state", "unknown")), beat.get("reason")
+    where = f"pid {beat.get('pid', '-')} on {beat.get('host', '-')}"
+    ago = _duration(now - last) + " ago" if last is not None else "never"
+    if state == "running" and not process_gone(beat, now):
+        line = f"running: {where}, step {step}; last heartbeat {ago}"
+        return RunState("running", line, started, now - started if started else None)
+    elapsed = last - started if started and last else None
+    if state == "running":
+        state, line = (
+            "stopped",
+            f"stopped: the process ({where}) is gone (killed: SIGKILL, out of memory, lost machine); last heartbeat {ago}",
+        )
+    elif state == "finished":
+        return RunState(state, f"finished ({reason}) at step {step}, {ago}", started, elapsed)
+    else:
+        line = f"{state} ({reason}) at step {step}, {ago}"
+    return RunState(state, f"{line}; {_resume_loss(run, step)}", started, elapsed)
 
 
 # ----------------------------------------------------------------------------- formatting
@@ -127,6 +183,10 @@ def _num(v: Any, fmt: str = ".3f") -> str:
     if isinstance(v, (int, float)) and not (isinstance(v, float) and not math.isfinite(v)):
         return format(v, fmt)
     return "-" if v is None else str(v)
+
+
+def _utc(t: float | None) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t)) if t is not None else "-"
 
 
 def _duration(s: float | None) -> str:
@@ -144,6 +204,42 @@ def _duration(s: float | None) -> str:
 
 def _eval_tau(e: dict[str, Any] | None) -> str:
     return _num(e.get("tau_chain"), ".2f") if e else "-"
+
+
+def _keys(evals: list[dict[str, Any]], field_name: str) -> list[str]:
+    """The budgets (or k's) of a per-budget field across every eval line, in numeric order."""
+    found = {k for e in evals if isinstance(e.get(field_name), dict) for k in e[field_name]}
+    return sorted(found, key=lambda k: (not k.isdigit(), int(k) if k.isdigit() else 0, k))
+
+
+def eval_table(s: RunSummary, best_metric: str = "tau_chain") -> list[str]:
+    """Every evaluated step of eval/log.jsonl as a Markdown table (also of checkpoints deleted since), the
+    best by `best_metric` marked."""
+    if not s.evals:
+        return ["none yet (`flashdraft eval --watch RUN` writes eval/log.jsonl)"]
+    budgets, topk = _keys(s.evals, "tau_ddtree"), _keys(s.evals, "tau_topk")
+    scored = [e for e in s.evals if isinstance(e.get(best_metric), (int, float))]
+    best = max(scored, key=lambda e: e[best_metric])["step"] if scored else None
+    on_disk = {c.step for c in s.checkpoints}
+    head = [
+        "step",
+        "chain τ",
+        *(f"DDTree {b} τ" for b in budgets),
+        *(f"top-{k} τ" for k in topk),
+        "checkpoint",
+    ]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---:|" * (len(head) - 1) + "---|"]
+    for e in s.evals:
+        step = int(e["step"])
+        cells = [str(step), _num(e.get("tau_chain"), ".3f")]
+        cells += [_num((e.get("tau_ddtree") or {}).get(b), ".3f") for b in budgets]
+        cells += [_num((e.get("tau_topk") or {}).get(k), ".3f") for k in topk]
+        cells.append("on disk" if step in on_disk else "deleted")
+        if step == best:
+            cells = [f"**{c}**" for c in cells]
+            cells[-1] += f" ← best {best_metric}"
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
 
 
 def queue_health(last: dict[str, Any]) -> str:
@@ -165,7 +261,7 @@ def list_runs(root: str | os.PathLike[str]) -> list[str]:
         return []
     runs = [root] if is_run(root) else sorted(p for p in root.iterdir() if is_run(p))
     now = time.time()
-    lines = [f"{'run':<32} {'step':>12} {'loss':>8} {'τ proxy':>8} {'eval τ':>7} {'age':>7}"]
+    lines = [f"{'run':<32} {'state':<9} {'step':>12} {'loss':>8} {'τ proxy':>8} {'eval τ':>7} {'age':>7}"]
     for p in runs:
         try:
             s = summarize(p)
@@ -174,8 +270,9 @@ def list_runs(root: str | os.PathLike[str]) -> list[str]:
             continue
         total = f"/{s.total_steps}" if s.total_steps else ""
         age = _duration(now - s.updated) if s.updated else "-"
+        state = s.state.state if s.state else "-"
         lines.append(
-            f"{p.name:<32} {str(s.step) + total:>12} {_num(s.last.get('loss')):>8} "
+            f"{p.name:<32} {state:<9} {str(s.step) + total:>12} {_num(s.last.get('loss')):>8} "
             f"{_num(s.last.get('tau_proxy'), '.2f'):>8} {_eval_tau(s.last_eval):>7} {age:>7}"
         )
     return lines
@@ -214,6 +311,10 @@ def status_markdown(s: RunSummary, now: float | None = None) -> str:
         f"distributed: {(cfg.get('distributed') or {}).get('strategy', '-')}",
         f"- command: `{s.command}`",
         "",
+        "## State",
+        f"- {s.state.line if s.state else '-'}",
+        f"- started {_utc(s.state.started) if s.state else '-'}; elapsed {_duration(s.state.elapsed_s) if s.state else '-'}",
+        "",
         "## Progress",
         f"- step {s.step}" + (f" of {s.total_steps} ({s.step / s.total_steps:.1%})" if s.total_steps else ""),
         f"- epoch {_num(s.epoch, 'd') if isinstance(s.epoch, int) else _num(s.epoch)}; "
@@ -221,7 +322,7 @@ def status_markdown(s: RunSummary, now: float | None = None) -> str:
         f"- last update {_duration(now - s.updated) + ' ago' if s.updated else '-'}",
         f"- throughput {_num(s.tokens_per_s, ',.0f')} target tokens/s; {_num(s.step_time_s, '.3f')} s/step",
         *_model_flops_line(s),
-        f"- ETA {_duration(s.eta_s)}",
+        f"- ETA {_duration(s.eta_s) if s.state is None or s.state.state in ('running', 'unknown') else '- (not running)'}",
         "",
         "## Last metrics (step " + str(last.get("step", "-")) + ")",
         f"- loss {_num(last.get('loss'))}, acc {_num(last.get('acc'))}, τ proxy {_num(last.get('tau_proxy'), '.2f')} "
@@ -235,19 +336,13 @@ def status_markdown(s: RunSummary, now: float | None = None) -> str:
         lines.append("- GPU: " + ", ".join(f"{k} {_num(v, '.2f')}" for k, v in sorted(gpu.items())))
     lines += ["", "## Checkpoints", ""]
     if s.checkpoints:
-        lines += ["| step | folder | eval τ (chain) | eval |", "|---:|---|---:|---|"]
+        lines += ["| step | folder | eval τ (chain) |", "|---:|---|---:|"]
         for c in s.checkpoints:
-            ev = "-"
-            if c.eval:
-                ev = ", ".join(
-                    f"{k}={v}" for k, v in c.eval.items() if k not in ("step", "checkpoint", "tau_chain")
-                )
-                ev = ev[:120] or "-"
-            lines.append(f"| {c.step} | `{c.path.relative_to(s.path)}` | {_eval_tau(c.eval)} | {ev} |")
+            lines.append(f"| {c.step} | `{c.path.relative_to(s.path)}` | {_eval_tau(c.eval)} |")
     else:
         lines.append("none yet")
-    if s.last_eval:
-        lines += ["", f"Last evaluated: step {s.last_eval.get('step')}, τ chain {_eval_tau(s.last_eval)}"]
+    best_metric = str((cfg.get("checkpoint") or {}).get("best_metric", "tau_chain"))
+    lines += ["", "## Evaluations (eval/log.jsonl)", "", *eval_table(s, best_metric)]
     return "\n".join(lines) + "\n"
 
 

@@ -6,10 +6,11 @@
     logger.log(step, {"loss": 2.3})    # + pipeline/*, gpu0/util_pct, cuda/allocated_gb, ... as host floats
 
 JSONL and TensorBoard always (MetricsLogger), Weights & Biases only when a project is set
-(imported lazily, never required). On CUDA: NVML per GPU (utilisation, memory, power,
-temperature) when `pynvml` (package nvidia-ml-py) imports, else one log line saying it is
-skipped; and the CUDA caching allocator's allocated / reserved / peak bytes and fragmentation
-(1 − allocated/reserved). Every value is read once per log line and handed on as a Python float.
+(imported lazily, never required). A resumed run drops the steps after its checkpoint from both
+metrics.jsonl and the TensorBoard event files, so replayed steps are not shown twice. On CUDA:
+NVML per GPU (utilisation, memory, power, temperature) when `pynvml` (package nvidia-ml-py)
+imports, else one log line saying it is skipped; and the CUDA caching allocator's allocated /
+reserved / peak bytes and fragmentation (1 − allocated/reserved). Every value is read once per log line and handed on as a Python float.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import importlib.util
 import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -56,11 +58,50 @@ class TelemetryLogger(MetricsLogger):
         )
         self.providers = list(providers or [])
 
+    def truncate_after(self, step: int) -> None:
+        """As MetricsLogger's, and the TensorBoard event files too (the writer is reopened on a fresh file)."""
+        super().truncate_after(step)
+        if self._tb is None:
+            return
+        from torch.utils.tensorboard import SummaryWriter
+
+        log_dir = self._tb.log_dir
+        self._tb.close()
+        for path in sorted(Path(log_dir).glob("events.out.tfevents.*")):
+            truncate_event_file(path, step)
+        self._tb = SummaryWriter(log_dir)
+
     def log(self, step: int, values: dict[str, Any]) -> None:
         merged = dict(values)
         for p in self.providers:
             merged.update(p())  # providers run on every rank (they may reset interval counters)
         super().log(step, {k: _scalar(v) for k, v in merged.items()})
+
+
+def truncate_event_file(path: Path, step: int) -> int:
+    """Drop the summaries logged after `step` from one TensorBoard event file (temp file + rename; the file is
+    left alone when nothing is dropped). Returns how many events were dropped."""
+    from tensorboard.backend.event_processing.event_file_loader import RawEventFileLoader
+    from tensorboard.compat.proto.event_pb2 import Event
+    from tensorboard.summary.writer.record_writer import RecordWriter
+
+    keep, dropped = [], 0
+    for raw in RawEventFileLoader(str(path)).Load():  # a record cut by a kill ends the file
+        event = Event.FromString(raw)
+        if event.HasField("summary") and event.step > step:
+            dropped += 1
+        else:
+            keep.append(raw)
+    if dropped:
+        tmp = path.with_name(
+            f".truncating-{os.getpid()}.tmp"
+        )  # no "tfevents" in the name: TensorBoard skips it
+        with tmp.open("wb") as f:
+            writer = RecordWriter(f)
+            for raw in keep:
+                writer.write(raw)
+        tmp.replace(path)
+    return dropped
 
 
 class GpuStats:

@@ -16,9 +16,7 @@ import contextlib
 import hashlib
 import json
 import math
-import signal
 import sys
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -44,6 +42,7 @@ from flashdraft.train.ema import WeightEMA
 from flashdraft.train.flops import step_flops, trainable_params
 from flashdraft.train.gc_policy import GCPolicy
 from flashdraft.train.host import HostThreads, resolve_host_threads
+from flashdraft.train.lifecycle import RunSignals
 from flashdraft.train.loss import loss_denominator, slot_weights
 from flashdraft.train.metrics import MetricsLogger
 from flashdraft.train.source import FeatureSource
@@ -96,7 +95,7 @@ class LRSchedule:
 class TrainResult:
     steps: int
     epoch: int
-    stopped: str  # "max_steps" | "data_exhausted" | "time_limit"
+    stopped: str  # "max_steps" | "data_exhausted" | "time_limit" | "SIGINT" | "SIGTERM" (checkpointed, then stopped)
     last_checkpoint: Path | None
     last_metrics: dict[str, Any] = field(default_factory=dict)
 
@@ -143,6 +142,8 @@ class Trainer:
         rank: int = 0,
         on_step_end: Callable[[Trainer, int], None] | None = None,  # test hook, called after each step
         vocab: LabelVocab | None = None,  # loss.softmax_vocab: the label tokens the loss's softmax runs over
+        signals: RunSignals
+        | None = None,  # installed by the caller at start-up; None: run() installs its own
     ) -> None:
         self.cfg = cfg
         self.target, self.drafter, self.source = target, drafter, source
@@ -188,7 +189,7 @@ class Trainer:
         self.tokens_seen = 0
         self.anchors_seen = 0
         self._bad_streak = torch.zeros((), dtype=torch.float64, device=self.device)
-        self._checkpoint_requested = False
+        self.signals = signals
         self._lr = self.schedule(0)
         self.last_checkpoint: Path | None = None
         self._fitted = False  # runtime.fit_steps_to_time_limit: total_steps fitted (or restored fitted)
@@ -201,9 +202,6 @@ class Trainer:
         if o.max_steps is not None:
             return o.max_steps
         return max(1, math.ceil(self.source.micro_batches_per_epoch() * o.epochs / o.grad_accum))
-
-    def _request_checkpoint(self, _signum: int, _frame: Any) -> None:
-        self._checkpoint_requested = True  # only a flag: the checkpoint is written at the next step boundary
 
     def _agree(self, flags: list[bool]) -> list[bool]:
         """Control flags as every rank sees them (one process: as they are)."""
@@ -279,6 +277,15 @@ class Trainer:
         self.last_checkpoint = path
         return path
 
+    def _save(self, why: str, bar: Any) -> Path:
+        """save() (periodic, SIGUSR1, time limit, signal, final), announced in one line."""
+        path = self.save()
+        if self.rank == 0:
+            (bar.write if bar is not None else print)(
+                f"checkpoint ({why}) at step {self.step}: {path}", file=sys.stderr
+            )
+        return path
+
     def restore(self, checkpoint: str | Path) -> None:
         """Continue exactly from a checkpoint: weights, optimizer, RNG, data position, anchor sampler."""
         ts = load_trainer_state(checkpoint)
@@ -309,9 +316,8 @@ class Trainer:
 
     def run(self) -> TrainResult:
         cfg = self.cfg
-        old_handler = None
-        if threading.current_thread() is threading.main_thread() and hasattr(signal, "SIGUSR1"):
-            old_handler = signal.signal(signal.SIGUSR1, self._request_checkpoint)
+        own_signals = self.signals is None
+        signals = RunSignals().install() if self.signals is None else self.signals
         batches = iter(self.source)
         stopped = "max_steps"
         last: dict[str, Any] = {}
@@ -333,6 +339,7 @@ class Trainer:
         try:
             threads.start()
             gc_policy.start()
+            signals.armed = True  # from here a stop signal ends in a checkpoint
             while self.step < self.total_steps:
                 micro = []
                 for _ in range(cfg.optim.grad_accum):
@@ -379,31 +386,41 @@ class Trainer:
                     last = self._log(interval, bar)
                     interval = Interval(self.block_size, self.device)
                 # every rank must take the same decision at the same step (one all-reduce under torchrun)
-                asked, out_of_time = self._agree(
+                asked, out_of_time, stop = self._agree(
                     [
-                        self._checkpoint_requested,
+                        signals.take_checkpoint_request(),
                         limit_s is not None and time.perf_counter() - started > limit_s,
+                        signals.stop_signal is not None,
                     ]
                 )
-                if self.step % cfg.checkpoint.every == 0 or asked or out_of_time:
-                    self._checkpoint_requested = False
-                    self.save()
+                # a signal on another rank only: every rank stops with the same name
+                stop_name = (signals.stop_name or "SIGTERM") if stop else None
+                periodic = self.step % cfg.checkpoint.every == 0
+                if periodic or asked or out_of_time or stop:
+                    why = stop_name or ("time limit" if out_of_time else "SIGUSR1" if asked else "periodic")
+                    self._save(why, bar)
                     gc_policy.after_checkpoint()
                     saved_at = self.step
+                if (
+                    stop_name is not None and self.step < self.total_steps
+                ):  # at the last step: finished anyway
+                    stopped = stop_name
+                    break
                 if out_of_time:
                     stopped = "time_limit"
                     break
             if interval.steps:
                 last = self._log(interval, bar)
             if saved_at != self.step and self.step > 0:
-                self.save()
+                self._save("final", bar)
         finally:
+            signals.armed = False  # a stop signal from here on exits at once (nothing is left to save)
             gc_policy.stop()
             threads.stop()
             if bar is not None:
                 bar.close()
-            if old_handler is not None:
-                signal.signal(signal.SIGUSR1, old_handler)
+            if own_signals:
+                signals.restore()
             self.logger.close()
         return TrainResult(self.step, self.source.epoch, stopped, self.last_checkpoint, last)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -11,7 +12,7 @@ from flashdraft.config import load_config
 from flashdraft.train.config import TrainConfig
 from flashdraft.train.launch import train
 from flashdraft.train.metrics import read_metrics
-from flashdraft.train.pipeline import FrozenHeads, QueuedSource, resolve_target_device
+from flashdraft.train.pipeline import FrozenHeads, QueuedSource, _Pull, resolve_target_device
 from flashdraft.train.source import InProcessSource
 from tests.conftest import tiny_target
 from tests.train.helpers import fake_features, make_docs, token_batch
@@ -109,6 +110,27 @@ def test_a_starved_consumer_is_measured_and_warned_about(capsys):
     assert s["pipeline/consumer_wait_frac"] > 0.5
     assert s["pipeline/producer_s_per_batch"] >= 0.05
     assert "WARNING: trainer starved" in capsys.readouterr().err
+
+
+def test_the_starvation_warning_names_the_bottleneck_and_comes_at_most_once_a_minute(capsys):
+    q = QueuedSource(_Slow(8, delay=0.05), depth=2, starve_window=5)
+    for _ in q:
+        time.sleep(0.001)  # the trainer takes features far faster than the producer makes them
+    for _ in range(5):
+        q.take_stats()
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1, err
+    assert "the producer is the bottleneck and a longer queue cannot help" in err[0]
+    m = re.search(r"the producer makes ([\d,]+) target tokens/s, the trainer takes ([\d,]+)", err[0])
+    made, taken = (float(g.replace(",", "")) for g in m.groups())
+    assert made < taken
+    q._warned_at -= 61  # a minute later: warned again
+    q.take_stats()
+    assert "trainer starved" in capsys.readouterr().err
+    # a producer that keeps up on average, with a queue that ran dry: raise the queue depth
+    q._window.clear()
+    q._window.extend(_Pull(wait_s=0.5, cycle_s=1.0, tokens=100, produce_s=0.1) for _ in range(5))
+    assert "keeps up on average but the queue ran dry; raise pipeline.queue_depth" in q.bottleneck()
 
 
 def test_a_fed_consumer_waits_little_and_sees_a_full_queue(capsys):

@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
 from dataclasses import replace
 
 import pytest
@@ -13,6 +19,7 @@ from flashdraft.cli import app
 from flashdraft.config import load_config
 from flashdraft.train.config import TrainConfig
 from flashdraft.train.launch import train
+from flashdraft.train.lifecycle import HEARTBEAT_FILE
 from flashdraft.train.runs import RunError, archive_run, list_runs, status_markdown, summarize
 from tests.conftest import tiny_target
 from tests.train.helpers import make_docs
@@ -34,7 +41,7 @@ def run(tmp_path_factory):  # noqa: ANN201
     (ev / "log.jsonl").write_text(
         json.dumps({"step": 3, "checkpoint": "checkpoints/step-00000003", "tau_chain": 1.25}) + "\n"
         + json.dumps({"step": 6, "checkpoint": "checkpoints/step-00000006", "tau_chain": 1.75,
-                      "tau_ddtree": {"8": 2.5}}) + "\n"
+                      "tau_ddtree": {"8": 2.5, "32": 2.75}, "tau_topk": {"4": 1.5}}) + "\n"
     )  # fmt: skip
     (root / "not-a-run").mkdir()
     return root
@@ -52,7 +59,7 @@ def test_summary_reads_the_run_folder(run):
 def test_list_one_line_per_run(run):
     lines = list_runs(run)
     assert len(lines) == 2 and lines[1].startswith("alpha")  # header + one run; not-a-run skipped
-    assert "6/6" in lines[1] and "1.75" in lines[1]
+    assert "6/6" in lines[1] and "1.75" in lines[1] and lines[1].split()[1] == "finished"
     r = CliRunner().invoke(app, ["runs", "list", str(run)])
     assert r.exit_code == 0 and "alpha" in r.output
 
@@ -63,7 +70,8 @@ def test_status_prints_and_writes_markdown(run):
     md = (run / "alpha" / "STATUS.md").read_text()
     assert md == r.output.rstrip("\n") + "\n"
     for part in ("# Run status: alpha", "config digest", "step 6 of 6", "tokens seen", "ETA",
-                 "τ proxy", "queue: ", "| 3 | `checkpoints/step-00000003` | 1.25 |", "tau_ddtree"):  # fmt: skip
+                 "τ proxy", "queue: ", "| 3 | `checkpoints/step-00000003` | 1.25 |", "- finished (max_steps) at step 6",
+                 "- started 20", "; elapsed "):  # fmt: skip
         assert part in md, part
     r = CliRunner().invoke(app, ["runs", "status", str(run / "not-a-run")])
     assert r.exit_code == 1 and "not a run folder" in r.output
@@ -95,3 +103,69 @@ def test_archive_moves_the_run_aside(run, tmp_path):
     assert archive_run(copy, now=0).name == "beta.archived-19700101-000000-1"  # never merges into an old one
     with pytest.raises(RunError):
         archive_run(copy)
+
+
+def _copy_with_heartbeat(run, tmp_path, **beat):  # noqa: ANN001, ANN003, ANN202
+    copy = tmp_path / "beta"
+    shutil.copytree(run / "alpha", copy)
+    path = copy / HEARTBEAT_FILE
+    path.write_text(json.dumps({**json.loads(path.read_text()), **beat}))
+    return copy
+
+
+def test_status_of_a_finished_run(run):
+    s = summarize(run / "alpha")
+    assert s.state.state == "finished" and s.state.line.startswith("finished (max_steps) at step 6")
+    assert s.state.started is not None and s.state.elapsed_s >= 0
+
+
+def test_status_of_a_killed_run_says_what_resume_restarts_from(run, tmp_path):
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    pid = int(gone.stdout)  # a process that has exited: the heartbeat still says running
+    copy = _copy_with_heartbeat(
+        run, tmp_path, state="running", reason=None, pid=pid, step=8, heartbeat=time.time()
+    )
+    s = summarize(copy)
+    assert s.state.state == "stopped", s.state.line
+    assert f"the process (pid {pid} on {socket.gethostname()}) is gone" in s.state.line
+    assert "--resume restarts from step 6 (loses 2 steps)" in s.state.line
+    md = status_markdown(s)
+    assert "ETA - (not running)" in md and "- stopped: the process" in md
+    assert list_runs(copy)[1].split()[1] == "stopped"
+    # another host: only the heartbeat's age tells; 4 missed beats is dead
+    copy2 = _copy_with_heartbeat(run, tmp_path / "b", state="running", host="elsewhere", pid=1,
+                                 heartbeat=time.time() - 61, every_s=15)  # fmt: skip
+    assert summarize(copy2).state.state == "stopped"
+
+
+def test_status_of_a_live_run(run, tmp_path):
+    now = time.time()
+    copy = _copy_with_heartbeat(run, tmp_path, state="running", reason=None, pid=os.getpid(),
+                                host=socket.gethostname(), started=now - 300, heartbeat=now - 3)  # fmt: skip
+    s = summarize(copy)
+    assert s.state.state == "running"
+    assert s.state.line.startswith(f"running: pid {os.getpid()} on {socket.gethostname()}, step 6")
+    assert 300 <= s.state.elapsed_s < 400
+    assert list_runs(copy)[1].split()[1] == "running"
+    copy2 = _copy_with_heartbeat(run, tmp_path / "b", state="running", host="elsewhere", pid=1,
+                                 heartbeat=now - 20, every_s=15)  # fmt: skip
+    assert summarize(copy2).state.state == "running"
+
+
+def test_status_eval_table_has_every_evaluated_step_and_marks_the_best(run, tmp_path):
+    copy = tmp_path / "beta"
+    shutil.copytree(run / "alpha", copy)
+    shutil.rmtree(copy / "checkpoints" / "step-00000003")  # deleted by keep_last: its results stay
+    with (copy / "eval" / "log.jsonl").open("a") as f:
+        f.write(json.dumps({"step": 1, "tau_chain": 1.5, "tau_ddtree": {"8": 2.0}}) + "\n")
+    md = status_markdown(summarize(copy))
+    table = md[md.index("## Evaluations") :].splitlines()[2:]
+    assert table == [
+        "| step | chain τ | DDTree 8 τ | DDTree 32 τ | top-4 τ | checkpoint |",
+        "|---:|---:|---:|---:|---:|---|",
+        "| 1 | 1.500 | 2.000 | - | - | deleted |",
+        "| 3 | 1.250 | - | - | - | deleted |",
+        "| **6** | **1.750** | **2.500** | **2.750** | **1.500** | **on disk** ← best tau_chain |",
+    ]

@@ -89,3 +89,41 @@ def test_gpu_stats_on_cuda(capsys):
         assert "NVML skipped" in capsys.readouterr().err
     assert all(isinstance(v, float) for v in s.values())
     del x
+
+
+def _event_steps(run) -> dict[int, int]:  # noqa: ANN001
+    """How many times each step's loss is in the run's TensorBoard event files (read raw, every file)."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    counts: dict[int, int] = {}
+    for path in sorted((run / "tensorboard").glob("events.out.tfevents.*")):
+        for event in EventFileLoader(str(path)).Load():
+            if any(v.tag == "loss" for v in event.summary.value):
+                counts[event.step] = counts.get(event.step, 0) + 1
+    return counts
+
+
+def test_tensorboard_after_resume_has_each_step_once(tmp_path):
+    from flashdraft.config import load_config
+    from flashdraft.train.config import TrainConfig
+    from flashdraft.train.launch import train
+    from tests.conftest import tiny_target
+    from tests.train.helpers import make_docs
+
+    def cfg():  # noqa: ANN202
+        over = ["model.num_layers=1", "model.block_size=8", "data.max_length=48", "data.token_budget=96",
+                "data.max_anchors=6", "data.pad_multiple=1", "telemetry.log_every=1", "telemetry.progress=false",
+                "runtime.dtype=float32", "optim.max_steps=6", "checkpoint.every=3", f"run_dir={tmp_path / 'run'}"]  # fmt: skip
+        return load_config(TrainConfig, None, over)
+
+    def crash_at_5(_tr, step: int) -> None:  # noqa: ANN001
+        if step == 5:  # steps 1-4 logged, the checkpoint is step 3's
+            raise RuntimeError("killed")
+
+    kw = dict(target=tiny_target("llama", dtype=torch.float32), samples=make_docs([40, 30, 20, 45, 25, 33]))
+    with pytest.raises(RuntimeError, match="killed"):
+        train(cfg(), on_step_end=crash_at_5, **kw)
+    assert _event_steps(tmp_path / "run") == {1: 1, 2: 1, 3: 1, 4: 1}
+    train(cfg(), resume=True, **kw)  # replays step 4
+    assert _event_steps(tmp_path / "run") == {s: 1 for s in range(1, 7)}
+    assert [m["step"] for m in read_metrics(tmp_path / "run")] == [1, 2, 3, 4, 5, 6]

@@ -91,7 +91,7 @@ def test_checkpoints_layout_retention_and_best_by_eval(tmp_path):
     assert prune_checkpoints(run, keep_last=1) == []
 
 
-def test_sigusr1_writes_a_checkpoint_at_the_next_step(tmp_path):
+def test_sigusr1_writes_a_checkpoint_at_the_next_step(tmp_path, capsys):
     def poke(_tr: Trainer, step: int) -> None:
         if step == 3:
             os.kill(os.getpid(), signal.SIGUSR1)
@@ -102,6 +102,10 @@ def test_sigusr1_writes_a_checkpoint_at_the_next_step(tmp_path):
     names = [p.name for p in list_checkpoints(tmp_path / "run")]
     assert names == ["step-00000003", "step-00000005"]  # the signalled one, then the final one
     assert signal.getsignal(signal.SIGUSR1) == handler_before
+    err = capsys.readouterr().err
+    run = tmp_path / "run" / "checkpoints"
+    assert f"checkpoint (SIGUSR1) at step 3: {run / 'step-00000003'}" in err
+    assert f"checkpoint (final) at step 5: {run / 'step-00000005'}" in err
 
 
 def test_time_limit_stops_with_a_checkpoint_and_resume_continues(tmp_path):
@@ -148,7 +152,8 @@ def test_the_schedule_is_fitted_to_the_time_limit(tmp_path, monkeypatch):
     tr = make_trainer(tmp_path, over, on_step_end=tick)
     res = tr.run()
     assert (res.stopped, res.steps, tr.total_steps) == ("max_steps", 599, 599)
-    assert (totals[109], totals[110], totals[249], totals[250]) == (1000, 352, 352, 599)  # fitted after step 110, 250
+    # fitted after step 110, then after step 250
+    assert (totals[109], totals[110], totals[249], totals[250]) == (1000, 352, 352, 599)
     assert tr.schedule(598) < 1e-3 * tr.cfg.optim.lr and clock.now - 1000 < 180
     assert latest_checkpoint(tmp_path / "run").name == "step-00000599"
     again = make_trainer(tmp_path, over)  # a resumed run keeps the fitted schedule
@@ -314,10 +319,12 @@ def _cli(cfg: Path, run: Path, *extra: str) -> list[str]:
     return [sys.executable, "-m", "flashdraft.cli", "train", str(cfg), f"run_dir={run}", *extra]
 
 
-def test_exact_resume_after_sigkill(tmp_path):
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:  # noqa: ANN001
+    """The run inputs and an uninterrupted 30-step run of them (in this process, one thread like the
+    subprocesses), shared by the resume tests."""
+    tmp_path = tmp_path_factory.mktemp("resume")
     cfg = _write_run_inputs(tmp_path)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    # the uninterrupted reference runs in this process (one thread, like the subprocesses)
     threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
     torch.set_num_threads(1)
     try:
@@ -325,6 +332,12 @@ def test_exact_resume_after_sigkill(tmp_path):
     finally:
         torch.set_num_threads(threads)
         torch.use_deterministic_algorithms(deterministic)
+    return tmp_path
+
+
+def test_exact_resume_after_sigkill(reference):
+    tmp_path, cfg = reference, reference / "cfg.yaml"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(_cli(cfg, tmp_path / "cut"), cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
     while time.time() < deadline and proc.poll() is None:
@@ -337,6 +350,12 @@ def test_exact_resume_after_sigkill(tmp_path):
     assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
     killed_at = latest_checkpoint(tmp_path / "cut")
     assert killed_at is not None and killed_at.name < "step-00000030"
+    from flashdraft.train.runs import summarize
+
+    state = summarize(tmp_path / "cut").state  # the heartbeat still says running; its process is gone
+    assert (
+        state.state == "stopped" and "is gone" in state.line and "--resume restarts from step" in state.line
+    )
     res = subprocess.run(
         _cli(cfg, tmp_path / "cut", "--resume"), cwd=REPO, env=env, capture_output=True, text=True
     )
@@ -350,6 +369,48 @@ def test_exact_resume_after_sigkill(tmp_path):
     wb = DFlashDrafter.from_pretrained(latest_checkpoint(tmp_path / "cut") / "drafter").state_dict()
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
     assert (tmp_path / "cut" / "command.txt").read_text().count("resume: ") == 1
+
+
+def test_sigterm_writes_a_checkpoint_and_resume_loses_no_step(reference):
+    """SIGTERM mid-run (no periodic checkpoint yet): a checkpoint of the live state at the next step, one line
+    saying where, exit 143, `runs status` says stopped and that --resume loses nothing; the resumed run is
+    bit-identical to the uninterrupted one."""
+    from flashdraft.train.checkpoint import step_of
+    from flashdraft.train.runs import summarize
+
+    tmp_path, cfg = reference, reference / "cfg.yaml"
+    run = tmp_path / "term"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        _cli(cfg, run, "checkpoint.every=1000"), cwd=REPO, env=env, stderr=subprocess.PIPE, text=True
+    )
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None and len(read_metrics(run)) < 3:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+    ckpt = latest_checkpoint(run)
+    assert ckpt is not None and 3 <= step_of(ckpt) < 30, "no checkpoint, or the run finished before SIGTERM"
+    step = step_of(ckpt)
+    assert [p.name for p in list_checkpoints(run)] == [ckpt.name]  # the signal's checkpoint is the only one
+    assert f"checkpoint (SIGTERM) at step {step}: {ckpt}" in err
+    assert err.rstrip().splitlines()[-1] == (
+        f"stopped by SIGTERM at step {step}: checkpoint {ckpt}; continue with --resume"
+    )
+    assert max(m["step"] for m in read_metrics(run)) == step
+    state = summarize(run).state
+    assert state.state == "stopped" and f"stopped (SIGTERM) at step {step}" in state.line
+    assert f"--resume restarts from step {step} (loses 0 steps)" in state.line
+    res = subprocess.run(
+        _cli(cfg, run, "checkpoint.every=1000", "--resume"), cwd=REPO, env=env, capture_output=True, text=True
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    a, b = read_metrics(tmp_path / "full"), read_metrics(run)
+    assert [m["step"] for m in b] == list(range(1, 31))
+    assert [m["loss"] for m in a] == [m["loss"] for m in b]  # bit-identical, not approximately equal
+    assert [m["grad_norm"] for m in a] == [m["grad_norm"] for m in b]
+    assert summarize(run).state.state == "finished"
 
 
 def test_out_of_memory_in_the_target_pass_names_the_knobs(tmp_path):
