@@ -18,6 +18,7 @@ from flashdraft.eval.evaluate import DrafterReport, EvalReport, MethodSummary, R
 from flashdraft.eval.watch import (
     WatchResources,
     checkpoint_step,
+    eval_windows,
     resolve_drafter,
     run_finished,
     trainer_pace,
@@ -209,6 +210,8 @@ def test_trainer_pace_inside_and_outside_evaluations() -> None:
     assert pace.during_s == 1.0 and pace.during_steps == 10
     assert pace.outside_steps == 20 + 2 and pace.outside_s == (20 * 0.5 + 2 * 0.75) / 22
     assert "while evaluating" in pace.describe() and f"({pace.slowdown:.2f}x)" in pace.describe()
+    # a log line written before lines carried 'started': the window ends at 'time' and lasted eval_seconds
+    assert eval_windows([{"step": 5, "time": 110.0, "eval_seconds": 10.0}]) == [(100.0, 110.0)]
     # no line inside the window: said so, no number made up
     assert (
         trainer_pace(rows[:11], [(200.0, 210.0)]).describe()
