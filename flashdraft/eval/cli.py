@@ -3,6 +3,7 @@
     flashdraft eval --drafter runs/x --drafter models/z-lab-b16 --dataset humaneval --limit 32
     flashdraft eval --drafter runs/x/checkpoints/step-00002000 --budgets 8,32,128 --topk 8 --out out/eval
     flashdraft eval --watch runs/x --dataset sharegpt-heldout --limit 32 --poll 120
+    flashdraft eval --watch runs/x --once --threads 4 --nice 0    # what is there now, as a table
     flashdraft bench --drafter runs/x --dataset humaneval --limit 8 --methods ar,chain,ddtree:16,ddtree:64
 
 Both run on CPU by default, so an evaluator can sit beside a training job that owns the GPUs.
@@ -71,7 +72,18 @@ def register(app: typer.Typer) -> None:
             None, help="a run folder: evaluate each new checkpoint as it appears"
         ),
         poll: float = typer.Option(60.0, help="--watch polling interval, seconds"),
-        once: bool = typer.Option(False, help="--watch: evaluate the checkpoints present now, then exit"),
+        once: bool = typer.Option(
+            False, help="--watch: evaluate the checkpoints present now, print the table, exit"
+        ),
+        keep_watching: bool = typer.Option(
+            False, help="--watch: keep polling after the run is finished and every checkpoint is evaluated"
+        ),
+        threads: int | None = typer.Option(
+            None, help="torch threads (default: all; with --watch on CPU a quarter of the cores)"
+        ),
+        nice: int | None = typer.Option(
+            None, help="lower this process's priority by N (default: 0; with --watch on CPU 10)"
+        ),
         server: str | None = typer.Option(
             None, help="OpenAI-compatible base URL for references, e.g. http://h:30000/v1"
         ),
@@ -95,7 +107,7 @@ def register(app: typer.Typer) -> None:
         from flashdraft.eval.prompts import load_eval_prompts
         from flashdraft.eval.references import ServerConfig
         from flashdraft.eval.report import markdown_table, write_report
-        from flashdraft.eval.watch import resolve_drafter
+        from flashdraft.eval.watch import WatchResources, resolve_drafter, watch_table
         from flashdraft.eval.watch import watch as watch_run
         from flashdraft.target import _parse_dtype, check_pair, load_target
 
@@ -104,6 +116,11 @@ def register(app: typer.Typer) -> None:
         if ref_batch is not None and ref_batch < 1:
             _fail(f"--ref-batch {ref_batch} must be >= 1 (1 = exact single-sequence AR)")
         b_list, k_list = _ints(budgets, "--budgets"), _ints(topk, "--topk") if topk.strip() else []
+        try:  # before the target loads: beside a run on CPU the evaluator yields the cores to the trainer
+            resources = WatchResources.resolve(device, threads, nice, watching=watch is not None)
+        except ValueError as e:
+            _fail(str(e))
+        resources.apply()
         torch_dtype = _parse_dtype(dtype)
         resolved = []
         taken: set[str] = set()
@@ -138,11 +155,18 @@ def register(app: typer.Typer) -> None:
                 check_pair(t, d.config)
                 return evaluate(t, {name: d}, prompts, drafter_paths={name: str(folder)}, **kwargs)
 
-            typer.echo(f"watching {watch} (poll {poll:g}s); results in {watch / 'eval' / 'log.jsonl'}")
-            res = watch_run(watch, one, poll_s=poll, once=once)
             typer.echo(
-                f"evaluated steps {res.evaluated}" + (f", skipped {res.skipped}" if res.skipped else "")
+                f"watching {watch} (poll {poll:g}s, {resources.describe()}); "
+                f"results in {watch / 'eval' / 'log.jsonl'}"
             )
+            res = watch_run(watch, one, poll_s=poll, once=once, keep_watching=keep_watching, echo=typer.echo)
+            if res.skipped:
+                typer.echo(
+                    f"skipped steps {res.skipped} (deleted by the trainer's keep_last before evaluation)"
+                )
+            if once or res.finished:
+                typer.echo(("run finished; " if res.finished else "") + f"{watch / 'eval' / 'log.jsonl'}:")
+                typer.echo(watch_table(watch))
             return
         report = evaluate(t, models, prompts, drafter_paths={n: str(f) for n, f in resolved}, **kwargs)
         files = write_report(report, out or Path("eval-reports") / Path(dataset).name)

@@ -60,6 +60,7 @@ class DrafterReport:
     drafter_forwards: int
     drafter_blocks: int
     per_sample: list[dict[str, Any]] = field(default_factory=list)  # {"id", "tokens", "tau": {method: τ}}
+    target_layer_ids: list[int] = field(default_factory=list)  # the target layers whose features it reads
 
 
 @dataclass
@@ -150,6 +151,7 @@ def summarize(
         per_sample=[
             {"id": r.id, "tokens": r.reference_tokens, "tau": {k: v.tau for k, v in r.methods.items()}} for r in ran
         ],
+        target_layer_ids=list(drafter.target_layer_ids),
     )  # fmt: skip
 
 

@@ -59,9 +59,13 @@ def markdown_table(report: EvalReport) -> str:
         "`ddtree-N`: DDTree with N nodes (root excluded, τ ≤ N+1). "
         "`topk-K`: top-k streak (reference token within the drafter's top-K at every slot; τ ≤ B) — not a DDTree budget.",
         "",
-        "| drafter | " + " | ".join(r.methods) + " |",
-        "|---|" + "---:|" * len(r.methods),
+        "| drafter | block size | layers | feature layers | path |",
+        "|---|---:|---:|---|---|",
     ]
+    for name, d in r.drafters.items():
+        layers = ",".join(str(i) for i in d.target_layer_ids) or "—"
+        lines.append(f"| {name} | {d.block_size} | {d.num_layers} | {layers} | {d.path or '—'} |")
+    lines += ["", "| drafter | " + " | ".join(r.methods) + " |", "|---|" + "---:|" * len(r.methods)]
     for name, d in r.drafters.items():
         lines.append(f"| {name} | " + " | ".join(_fmt(d.methods[m].tau) for m in r.methods) + " |")
     lines += ["", "Surrogate τ (1 + Σ q over drafted prefixes) vs measured:", "",
@@ -77,6 +81,7 @@ def markdown_table(report: EvalReport) -> str:
             f"{_fmt(u)} ({_fmt(c)})"
             for u, c in zip(d.slot_accuracy, d.slot_accuracy_conditional, strict=True)
         ]
+        cells += [""] * (b - 1 - len(cells))  # a smaller block has no such slot: blank, not a short row
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     ref = r.references
     if ref.agreement_rate is not None:
