@@ -109,12 +109,18 @@ def evaluated_steps(run_dir: str | Path) -> set[int]:
 
 
 def run_finished(run_dir: str | Path) -> bool:
-    """Whether the trainer is done with the run: its newest checkpoint is the schedule's last step.
+    """Whether the run will write no more checkpoints.
 
-    The trainer's final checkpoint has `step == total_steps` in its trainer_state.json. A run that
-    stopped early (runtime.time_limit_min, data exhausted, killed) leaves no such trace and reads as
-    not finished, so the watcher keeps watching it until stopped.
+    From the trainer's RUN/heartbeat.json (flashdraft/train/lifecycle.py) when there is one: finished,
+    stopped or failed, or "running" while its process is gone. A run without one (written before
+    heartbeats, or a `Trainer` used as a library) is finished when its newest checkpoint is the
+    schedule's last step (`step == total_steps` in its trainer_state.json).
     """
+    from flashdraft.train.lifecycle import process_gone, read_heartbeat
+
+    beat = read_heartbeat(run_dir)
+    if beat is not None:
+        return beat.get("state") != "running" or process_gone(beat, time.time())
     found = run_checkpoints(run_dir)
     if not found:
         return False

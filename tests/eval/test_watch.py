@@ -298,3 +298,24 @@ def test_cli_watch_options(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
     ]
     r = CliRunner().invoke(app, [*base, "--threads", "0"])
     assert r.exit_code == 2 and "error: --threads 0 must be >= 1" in r.output
+
+
+def test_run_finished_follows_the_heartbeat(tmp_path: Path) -> None:
+    """With RUN/heartbeat.json the trainer's own state decides: a run stopped by its time limit or a signal
+    is over (no checkpoint at total_steps needed); a live process is not; a dead "running" one is over."""
+    import os
+    import socket
+
+    from flashdraft.train.lifecycle import write_json_atomic
+
+    run = tmp_path / "run"
+    _write_checkpoint(run, 10, tiny_drafter(tiny_target("llama"), seed=1), total_steps=20)
+    beat = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(), "every_s": 15.0,
+            "heartbeat": time.time(), "state": "running", "reason": None}  # fmt: skip
+    write_json_atomic(run / "heartbeat.json", beat)
+    assert not run_finished(run)
+    for state, reason in (("finished", "time_limit"), ("stopped", "SIGTERM"), ("failed", "RuntimeError: x")):
+        write_json_atomic(run / "heartbeat.json", {**beat, "state": state, "reason": reason})
+        assert run_finished(run), state
+    write_json_atomic(run / "heartbeat.json", {**beat, "heartbeat": time.time() - 3600})
+    assert run_finished(run)  # "running", but no beat for an hour: the process is gone
