@@ -112,6 +112,13 @@ def register(app: typer.Typer) -> None:
                 raise typer.BadParameter(
                     f"--prompt-ids {prompt_ids!r}: expected comma-separated integers"
                 ) from None
+            vocab = t.vocab_size
+            bad = next((int(x) for x in ids if not 0 <= int(x) < vocab), None)
+            if bad is not None:  # the server answers the same with a 400
+                raise typer.BadParameter(
+                    f"prompt token id {bad} is outside the vocabulary (0..{vocab - 1})",
+                    param_hint="--prompt-ids",
+                )
         else:
             if tok is None:
                 raise typer.BadParameter(f"target {target!r} has no tokenizer: pass --prompt-ids")
