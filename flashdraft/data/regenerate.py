@@ -25,6 +25,12 @@ resumes by skipping finished shards, and the final dataset is identical to an un
 `OUT.partial/` is removed. With `--temperature` > 0 the sample ids name the sampling (`…@T0.8s1`), so a
 sampled set merges beside a greedy one (`flashdraft data merge`): more answers from the same prompts.
 With `--server URL` an OpenAI-compatible server generates instead.
+
+Nothing is left out silently: the manifest's `dropped` (and the command's summary line) counts every
+drop by reason — bad input records, duplicate prompts, conversations whose first prompt is already
+`--max-length` long, later turns whose history reached it, samples with fewer than 2·B answer
+tokens, duplicates, contamination — and a run of which nothing usable remains fails with those counts.
+An input error stops the run before `OUT.partial/` exists.
 """
 
 from __future__ import annotations

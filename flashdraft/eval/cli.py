@@ -12,8 +12,11 @@ Imports of torch and friends stay inside the commands (`flashdraft --help` stays
 from __future__ import annotations
 
 from pathlib import Path
+from typing import NoReturn
 
 import typer
+
+from flashdraft.errors import UserError
 
 
 def _ints(text: str, flag: str) -> list[int]:
@@ -26,9 +29,8 @@ def _ints(text: str, flag: str) -> list[int]:
     return vals
 
 
-def _fail(msg: str) -> None:
-    typer.echo(f"error: {msg}", err=True)
-    raise typer.Exit(2)
+def _fail(msg: str) -> NoReturn:
+    raise UserError(msg)  # one line, exit 2 (flashdraft/cli.py); --debug shows where
 
 
 def _name_tail(folder: Path, step: int | None, k: int) -> str:
