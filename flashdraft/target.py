@@ -297,6 +297,12 @@ def load_target(
         first = next((ln for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
         where = "" if Path(src).exists() else " (no such folder; as a hub id)"
         raise ValueError(f"target {name_or_path!r}: cannot load it{where}: {first.strip()}") from e
+    except Exception as e:  # safetensors' error class does not say which file
+        if type(e).__name__ != "SafetensorError":
+            raise
+        raise ValueError(
+            f"target {name_or_path!r}: a weights file in {src} is truncated or corrupt ({e}): copy or download it again"
+        ) from e
     tok_kw = {"gguf_file": gguf_file} if gguf_file else {}
     try:
         tokenizer = AutoTokenizer.from_pretrained(src, **tok_kw)

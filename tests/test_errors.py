@@ -217,3 +217,14 @@ def test_which_errors_are_expected() -> None:
         == "/x/y: No such file or directory"
     )
     assert one_line(UserError("first\n  second")) == "first second"
+
+
+def test_truncated_target_weights(files: dict[str, Path], tmp_path: Path) -> None:
+    import shutil
+
+    bad = tmp_path / "target"
+    shutil.copytree(files["target"], bad)
+    st = bad / "model.safetensors"
+    st.write_bytes(st.read_bytes()[: st.stat().st_size // 2])
+    msg = one_error(["generate", "--target", str(bad), "--method", "ar", "--prompt-ids", "5"])
+    assert str(bad) in msg and "truncated or corrupt" in msg
