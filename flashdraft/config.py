@@ -3,13 +3,15 @@
     cfg = load_config(TrainConfig, "run.yaml", ["optim.lr=3e-4", "data.max_length=2048"])
 
 Unknown keys are errors that name the closest valid key; values are coerced to the field's
-annotated type (int, float, bool, str, lists, Optional, nested dataclasses).
+annotated type (int, float, bool, str, lists, Optional, nested dataclasses); a float must be finite
+(`optim.lr=nan` is an error naming the field).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from pathlib import Path
@@ -17,10 +19,12 @@ from typing import Any, TypeVar
 
 import yaml
 
+from flashdraft.errors import UserError
+
 T = TypeVar("T")
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     pass
 
 
@@ -73,18 +77,23 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     if tp is int:
         if isinstance(value, bool):
             raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        if isinstance(value, int):
+            return value
         try:
             f = float(value)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):
             raise ConfigError(f"{where}: expected an integer, got {value!r}") from None
-        if f != int(f):
+        if not math.isfinite(f) or f != int(f):
             raise ConfigError(f"{where}: expected an integer, got {value!r}")
         return int(f)
     if tp is float:
         try:
-            return float(value)
-        except (TypeError, ValueError):
+            f = float(value)
+        except (TypeError, ValueError, OverflowError):
             raise ConfigError(f"{where}: expected a number, got {value!r}") from None
+        if not math.isfinite(f):
+            raise ConfigError(f"{where}: {value!r} is not a finite number")
+        return f
     if tp is str:
         if isinstance(value, (dict, list)):
             raise ConfigError(f"{where}: expected a string, got {value!r}")
@@ -139,7 +148,15 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
         if not p.is_file():
             raise ConfigError(f"{p}: config file not found")
         try:
-            loaded = yaml.safe_load(p.read_text())
+            text = p.read_bytes().decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ConfigError(
+                f"{p}: not a text YAML file (byte {e.start} is not UTF-8): pass a YAML config such as configs/smollm2-b16.yaml"
+            ) from None
+        except OSError as e:
+            raise ConfigError(f"{p}: cannot read the config ({e.strerror})") from None
+        try:
+            loaded = yaml.safe_load(text)
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             line = f" line {mark.line + 1}" if mark else ""

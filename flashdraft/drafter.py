@@ -509,7 +509,12 @@ class DFlashDrafter(nn.Module):
         cfg = DFlashConfig.from_json_dict(raw, source=str(cfg_path))
         index = folder / "model.safetensors.index.json"
         if index.is_file():
-            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            try:
+                shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            except (ValueError, KeyError, TypeError, AttributeError):
+                raise ValueError(
+                    f"{index}: not a safetensors index (no weight_map of tensor -> file)"
+                ) from None
             files = [folder / s for s in shards]
         elif (folder / "model.safetensors").is_file():
             files = [folder / "model.safetensors"]
@@ -517,7 +522,16 @@ class DFlashDrafter(nn.Module):
             raise FileNotFoundError(f"{folder}: no model.safetensors or model.safetensors.index.json")
         state: dict[str, torch.Tensor] = {}
         for f in files:
-            state.update(load_file(str(f)))
+            if not f.is_file():
+                raise FileNotFoundError(f"{f}: missing (listed in {index.name})")
+            try:
+                state.update(load_file(str(f)))
+            except Exception as e:  # safetensors' own error class does not say which file
+                if type(e).__name__ != "SafetensorError":
+                    raise
+                raise ValueError(
+                    f"{f}: unreadable safetensors file ({e}); it is truncated or corrupt: write or copy it again"
+                ) from None
         state = {k.removeprefix("model."): v for k, v in state.items()}
         with torch.device("meta"):
             model = cls(cfg)

@@ -263,15 +263,24 @@ def _run(args: list[str], log: list[str]) -> None:
     typer.echo(f"  ({time.perf_counter() - t0:.0f} s)")
 
 
-def write_first_turns(path: Path, n: int) -> None:
+def write_first_turns(path: Path, n: int, source: str = "sharegpt") -> None:
     """The first user turn of the first `n` ShareGPT conversations, as a prompts JSONL (one answer each:
-    regenerating every turn of a conversation costs ~3.5× more on a CPU budget)."""
+    regenerating every turn of a conversation costs ~3.5× more on a CPU budget). The records the source
+    skips are listed beside it (PATH.skipped.txt), and one line says how many."""
     import json
 
-    from flashdraft.data.sources import load_conversations
+    from flashdraft.data.sources import SourceStats, load_conversations
 
     rows = []
-    for c in load_conversations("sharegpt", limit=n):
+    stats = SourceStats()
+    convs = load_conversations(source, limit=n, stats=stats)
+    if stats.bad:
+        listing = path.with_name(path.stem + ".skipped.txt")
+        stats.write_bad(listing)
+        typer.echo(
+            f"{source}: skipped {len(stats.bad)} bad record(s) before the first {n} usable ones; listed in {listing}"
+        )
+    for c in convs:
         user = next((t.content for t in c.turns if t.role == "user"), None)
         if user:
             rows.append(json.dumps({"id": c.id, "prompt": user}))

@@ -11,6 +11,7 @@ forward that returns only the selected layers' outputs (hooks, never all hidden 
 from __future__ import annotations
 
 import importlib.util
+import re
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -245,6 +246,19 @@ def check_supported(cfg: Any) -> None:
         )
 
 
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")  # "name" or "namespace/name"
+
+
+def _check_hub_id(name: str) -> None:
+    """A target that is no local path must at least be shaped like a hub id; else it is a mistyped path
+    (transformers would answer "Repo id must be in the form 'repo_name' or 'namespace/repo_name'")."""
+    if not _HUB_ID.fullmatch(name) or ".." in name or name.endswith((".", "-")):
+        raise FileNotFoundError(
+            f"target {name!r}: the path does not exist (give an HF model folder, a .gguf file, a hub id "
+            "such as HuggingFaceTB/SmolLM2-135M-Instruct, or 'default')"
+        )
+
+
 def load_target(
     name_or_path: str = DEFAULT_TARGET,
     *,
@@ -267,6 +281,8 @@ def load_target(
         if not p.is_file():
             raise FileNotFoundError(f"{p}: GGUF file not found")
         src, gguf_file = str(p.parent), p.name
+    elif not Path(name_or_path).exists():
+        _check_hub_id(name_or_path)
     kw: dict[str, Any] = {"dtype": torch_dtype, "attn_implementation": attn_implementation}
     cached = gguf_cache_dir(Path(src) / gguf_file) if gguf_file else None
     if cached is not None and (cached / "config.json").is_file():
@@ -275,7 +291,18 @@ def load_target(
         kw["gguf_file"] = gguf_file
         if cached is not None:
             kw["dtype"] = torch.float32  # the copy keeps the de-quantized values exactly; cast after saving
-    model = AutoModelForCausalLM.from_pretrained(src, **kw)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(src, **kw)
+    except OSError as e:  # no config.json in the folder, no such hub model, hub unreachable, ...
+        first = next((ln for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+        where = "" if Path(src).exists() else " (no such folder; as a hub id)"
+        raise ValueError(f"target {name_or_path!r}: cannot load it{where}: {first.strip()}") from e
+    except Exception as e:  # safetensors' error class does not say which file
+        if type(e).__name__ != "SafetensorError":
+            raise
+        raise ValueError(
+            f"target {name_or_path!r}: a weights file in {src} is truncated or corrupt ({e}): copy or download it again"
+        ) from e
     tok_kw = {"gguf_file": gguf_file} if gguf_file else {}
     try:
         tokenizer = AutoTokenizer.from_pretrained(src, **tok_kw)

@@ -158,17 +158,12 @@ def register(app: typer.Typer) -> None:
         """Merge regenerated datasets: each sample once (a longer answer of the same conversation wins)."""
         import sys
 
-        from flashdraft.data.dataset import DatasetError
         from flashdraft.data.merge import describe, merge_datasets
 
-        try:
-            m = merge_datasets(
-                inputs, out, contamination_sources=[c for c in contamination if c != "none"],
-                overwrite=overwrite, command=" ".join(["flashdraft", *sys.argv[1:]]),
-            )  # fmt: skip
-        except DatasetError as e:
-            typer.secho(f"data merge: {e}", fg="red", err=True)
-            raise typer.Exit(2) from None
+        m = merge_datasets(
+            inputs, out, contamination_sources=[c for c in contamination if c != "none"],
+            overwrite=overwrite, command=" ".join(["flashdraft", *sys.argv[1:]]),
+        )  # fmt: skip
         typer.echo(f"wrote {out}: {describe(m)}")
 
     @data.command()

@@ -94,12 +94,26 @@ class _Shard:
     metas: list[str]
 
 
+def _read_shard_table(f: Path, columns: list[str] | None = None) -> Any:
+    """A shard's table; a truncated or corrupt shard is a DatasetError that names it."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if not f.is_file():
+        raise DatasetError(f"{f}: shard missing (listed in the manifest): write the dataset again")
+    try:
+        with pa.memory_map(str(f), "r") as src:
+            return pq.read_table(src, columns=columns)
+    except pa.ArrowException as e:
+        raise DatasetError(
+            f"{f}: unreadable shard, truncated or corrupt ({e}): write the dataset again"
+        ) from None
+
+
 class Dataset:
     """One split of a dataset folder; random access by index, shards loaded on first use."""
 
     def __init__(self, path: str | Path, split: str = "train") -> None:
-        import pyarrow.parquet as pq
-
         self.path = Path(path)
         self.split = split
         mf = self.path / "manifest.json"
@@ -107,7 +121,10 @@ class Dataset:
             raise DatasetError(
                 f"{mf}: no manifest; is {self.path} a dataset written by `flashdraft data regenerate`?"
             )
-        self.manifest: dict[str, Any] = json.loads(mf.read_text())
+        try:
+            self.manifest: dict[str, Any] = json.loads(mf.read_bytes())
+        except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+            raise DatasetError(f"{mf}: not a JSON manifest ({e}): write the dataset again") from None
         if self.manifest.get("format") != FORMAT:
             raise DatasetError(f"{mf}: format {self.manifest.get('format')!r} is not {FORMAT!r}")
         if split not in SPLITS:
@@ -116,7 +133,7 @@ class Dataset:
         counts = []
         lengths = []
         for f in self.files:
-            t = pq.read_table(f, columns=["num_tokens"])
+            t = _read_shard_table(f, columns=["num_tokens"])
             counts.append(t.num_rows)
             lengths.append(t.column("num_tokens").to_numpy())
         self._starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)  # [n_shards+1]
@@ -130,13 +147,9 @@ class Dataset:
 
     def _shard(self, k: int) -> _Shard:
         if k not in self._cache:
-            import pyarrow as pa
-            import pyarrow.parquet as pq
-
             if len(self._cache) >= 4:  # bounded memory: keep a few decoded shards
                 self._cache.pop(next(iter(self._cache)))
-            with pa.memory_map(str(self.files[k]), "r") as src:
-                t = pq.read_table(src)
+            t = _read_shard_table(self.files[k])
             ids_col = t.column("input_ids").combine_chunks()
             mask_col = t.column("loss_mask").combine_chunks()
             self._cache[k] = _Shard(

@@ -25,6 +25,12 @@ resumes by skipping finished shards, and the final dataset is identical to an un
 `OUT.partial/` is removed. With `--temperature` > 0 the sample ids name the sampling (`…@T0.8s1`), so a
 sampled set merges beside a greedy one (`flashdraft data merge`): more answers from the same prompts.
 With `--server URL` an OpenAI-compatible server generates instead.
+
+Nothing is left out silently: the manifest's `dropped` (and the command's summary line) counts every
+drop by reason — bad input records, duplicate prompts, conversations whose first prompt is already
+`--max-length` long, later turns whose history reached it, samples with fewer than 2·B answer
+tokens, duplicates, contamination — and a run of which nothing usable remains fails with those counts.
+An input error stops the run before `OUT.partial/` exists.
 """
 
 from __future__ import annotations
@@ -42,12 +48,17 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from flashdraft.data.dataset import Sample, _write_parquet, write_dataset
+from flashdraft.data.dataset import Sample, _write_parquet, truncate_sample, write_dataset
 from flashdraft.data.generate import Generator
 from flashdraft.data.sources import Conversation, SourceStats, iter_conversations
 from flashdraft.data.template import ChatTemplate, ConversationBuilder
+from flashdraft.errors import UserError
 
 log = logging.getLogger("flashdraft.data")
+
+
+class RegenError(UserError, ValueError):
+    pass
 
 
 @dataclass
@@ -145,6 +156,8 @@ def collect_conversations(cfg: RegenConfig) -> tuple[list[Conversation], Counter
     stats.check(final=True)
     if stats.bad:
         drops["bad_input"] += len(stats.bad)
+        first = min(len(stats.bad), 20)
+        log.warning("%s; the first %d are in the manifest's bad_input_examples", stats.summary(), first)
     return convs, drops, stats
 
 
@@ -192,9 +205,11 @@ class _Progress:
 
 def regenerate_shard(
     convs: list[Conversation], template: ChatTemplate, generator: Generator, cfg: RegenConfig, shard: int,
-    progress: _Progress | None = None,
+    progress: _Progress | None = None, drops: Counter[str] | None = None,
 ) -> list[Sample]:  # fmt: skip
     """Answer every user turn of the shard's conversations, each given its regenerated history.
+    `drops` counts what `max_length` left out: conversations whose first prompt is already that long
+    (`conversation_over_max_length`) and later user turns whose prompt reached it (`turns_over_max_length`).
 
     With a generator that takes follow-ups (the native engine) a conversation's next turn enters
     the running batch as soon as its previous answer is done, longest conversations first, so the
@@ -206,6 +221,12 @@ def regenerate_shard(
     else:
         _regenerate_turn_by_turn(builders, generator, cfg, shard, progress)
     samples = [s for b in builders for s in b.samples()]
+    if drops is not None:
+        for b in builders:
+            if b.stopped_early and b.turn == 0:
+                drops["conversation_over_max_length"] += 1
+            elif b.stopped_early:
+                drops["turns_over_max_length"] += len(b.conversation.user_turns) - b.turn
     if cfg.split_turns:
         samples = [t for s in samples for t in split_by_turn(s)]
     if cfg.temperature > 0:  # a sampled answer is another sample of the same conversation (same split)
@@ -265,6 +286,16 @@ def _regenerate_async(
     )  # fmt: skip
 
 
+def _drops_file(shard: Path) -> Path:
+    # written just before its shard: a finished shard has its counts
+    return shard.with_name("drops-" + shard.stem.removeprefix("shard-") + ".json")
+
+
+def _read_drops(shard: Path) -> Counter[str]:
+    f = _drops_file(shard)
+    return Counter(json.loads(f.read_text())) if f.is_file() else Counter()
+
+
 def _read_shard(path: Path) -> list[Sample]:
     import pyarrow.parquet as pq
 
@@ -294,8 +325,36 @@ def regenerate(
     out = Path(cfg.out)
     if out.exists() and not overwrite:
         raise FileExistsError(f"{out} already exists: pass --overwrite or choose another --out")
+    for spec in cfg.inputs:
+        if spec.partition(":")[0] in cfg.contamination_sources:
+            log.warning(
+                "input %r is also a contamination source: its samples will be dropped from train "
+                "(pass --contamination none to keep them)", spec,
+            )  # fmt: skip
+    convs, drops, stats = collect_conversations(cfg)  # input errors stop here, before anything is written
+    if not convs:
+        raise RegenError(f"no usable conversations in {', '.join(cfg.inputs)} (dropped {dict(drops)})")
     work = out.with_name(out.name + ".partial")
+    created = not work.exists()
     work.mkdir(parents=True, exist_ok=True)
+    try:
+        return _regenerate_in(work, convs, drops, stats, cfg, template, generator, t0, manifest_extra,
+                              overwrite, keep_partial)  # fmt: skip
+    except BaseException as e:
+        # what this run created goes, unless it holds finished shards a rerun resumes from (an interruption,
+        # a generation error); shards of which nothing is usable are no use to a rerun either
+        useless = isinstance(e, RegenError) or not any(work.glob("shard-*.parquet"))
+        if created and work.is_dir() and useless:
+            shutil.rmtree(work)
+        raise
+
+
+def _regenerate_in(
+    work: Path, convs: list[Conversation], drops: Counter[str], stats: SourceStats, cfg: RegenConfig,
+    template: ChatTemplate, generator: Generator, t0: float, manifest_extra: dict[str, Any] | None,
+    overwrite: bool, keep_partial: bool,
+) -> RegenResult:  # fmt: skip
+    out = Path(cfg.out)
     fp = cfg.fingerprint(template)
     fp_file = work / "fingerprint.json"
     if fp_file.exists():
@@ -311,15 +370,6 @@ def regenerate(
         tmp.write_text(json.dumps(fp, indent=2))
         os.replace(tmp, fp_file)
 
-    for spec in cfg.inputs:
-        if spec.partition(":")[0] in cfg.contamination_sources:
-            log.warning(
-                "input %r is also a contamination source: its samples will be dropped from train "
-                "(pass --contamination none to keep them)", spec,
-            )  # fmt: skip
-    convs, drops, stats = collect_conversations(cfg)
-    if not convs:
-        raise ValueError(f"no usable conversations in {cfg.inputs}")
     shards = [convs[k : k + cfg.shard_size] for k in range(0, len(convs), cfg.shard_size)]
     path_of = [work / f"shard-{k:05d}.parquet" for k in range(len(shards))]
     finished = [p.exists() for p in path_of]
@@ -337,8 +387,12 @@ def regenerate(
                 )  # fmt: skip
                 break
             t_shard = time.perf_counter()
-            samples = regenerate_shard(sh, template, generator, cfg, k, progress)
+            shard_drops: Counter[str] = Counter()
+            samples = regenerate_shard(sh, template, generator, cfg, k, progress, shard_drops)
             slowest = max(slowest, time.perf_counter() - t_shard)
+            tmp = _drops_file(path_of[k]).with_suffix(".tmp")
+            tmp.write_text(json.dumps(dict(shard_drops)))
+            os.replace(tmp, _drops_file(path_of[k]))
             tmp = path_of[k].with_suffix(".tmp")
             _write_parquet(samples, tmp)
             os.replace(tmp, path_of[k])  # a shard exists only once complete
@@ -347,7 +401,17 @@ def regenerate(
 
     done = [p for p in path_of if p.exists()]
     complete = len(done) == len(path_of)
-    all_samples = (s for p in done for s in _read_shard(p))
+    for p in done:
+        drops.update(_read_drops(p))
+    all_samples = [s for p in done for s in _read_shard(p)]
+    min_loss = 2 * cfg.block_size
+    if not any(truncate_sample(s, cfg.max_length, min_loss) is not None for s in all_samples):
+        reasons = dict(drops + Counter(too_few_loss_tokens=len(all_samples)))
+        raise RegenError(
+            f"nothing usable remains of {len(convs)} conversations (dropped {reasons}): every sample needs a "
+            f"prompt shorter than --max-length {cfg.max_length} and {min_loss} answer tokens (2 x --block-size) "
+            "inside it: raise --max-length or --max-new-tokens"
+        )
     extra = {
         "target": cfg.target,
         "template": template.describe(),

@@ -10,7 +10,8 @@
     flashdraft data sources                          # lists the registered names
 
 Bad records (malformed JSON, missing or unknown roles, empty turns, non-UTF-8 bytes, unknown fields)
-are skipped with one warning naming the file and line, and counted in `SourceStats`; when more than
+are skipped and counted in `SourceStats` (each named with its file and line; the caller prints one
+line, `SourceStats.summary()`, and says where the list is, or one warning line says it); when more than
 `max_bad_fraction` of the records read are bad the whole load stops with `BadInputError`.
 The source's own assistant turns are kept (for inspection), but regeneration replaces them.
 """
@@ -26,6 +27,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from flashdraft.errors import UserError
+
 log = logging.getLogger("flashdraft.data")
 
 HUMANEVAL_TEMPLATE = "Write a solution to the following problem and make sure that it passes the tests:\n```python\n{prompt}\n```"
@@ -36,7 +39,7 @@ _SHAREGPT_ROLES = {
 }  # fmt: skip
 
 
-class BadInputError(ValueError):
+class BadInputError(UserError, ValueError):
     pass
 
 
@@ -87,21 +90,30 @@ class SourceStats:
 
     def add_bad(self, rec: BadRecord) -> None:
         self.bad.append(rec)
-        if len(self.bad) <= 20:
-            log.warning("skipped bad record: %s", rec)
-        elif len(self.bad) == 21:
-            log.warning("more bad records skipped; all are counted in the manifest")
+        log.debug("skipped bad record: %s", rec)  # the caller prints one line: summary()
         self.check(final=False)
+
+    def summary(self) -> str:
+        """One line: how many records were skipped, and the first one."""
+        if not self.bad:
+            return ""
+        return f"skipped {len(self.bad)} bad input record(s) of {self.total} (first: {self.bad[0]})"
+
+    def write_bad(self, path: Path) -> None:
+        """Every skipped record, one per line (file:line: reason), written atomically."""
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(f"{b}\n" for b in self.bad))
+        tmp.replace(path)
 
     def check(self, final: bool = True) -> None:
         if self.total == 0 or (not final and self.total < self.min_records_for_check):
             return
         frac = len(self.bad) / self.total
         if frac > self.max_bad_fraction:
-            first = "\n  ".join(str(b) for b in self.bad[:5])
+            first = "; ".join(str(b) for b in self.bad[:3])
             raise BadInputError(
                 f"{len(self.bad)} of {self.total} records are bad ({frac:.1%} > max_bad_fraction "
-                f"{self.max_bad_fraction:.0%}); first ones:\n  {first}\nfix the input or raise --max-bad-fraction"
+                f"{self.max_bad_fraction:.0%}); first: {first}; fix the input or raise --max-bad-fraction"
             )
 
 
@@ -460,6 +472,7 @@ def iter_conversations(spec: str, stats: SourceStats | None = None) -> Iterator[
     src, path = _resolve(spec)
     if path is not None and not path.is_file():
         raise FileNotFoundError(f"{path}: no such file (source {src.name!r})")
+    own = stats is None  # no caller to report the skipped records: one warning line at the end
     stats = stats if stats is not None else SourceStats()
     for item in src.reader(path):
         if isinstance(item, BadRecord):
@@ -467,6 +480,8 @@ def iter_conversations(spec: str, stats: SourceStats | None = None) -> Iterator[
         else:
             stats.good += 1
             yield item
+    if own and stats.bad:
+        log.warning("%s", stats.summary())
 
 
 def load_conversations(
@@ -477,6 +492,7 @@ def load_conversations(
     max_bad_fraction: float = 0.1,
 ) -> list[Conversation]:
     """The first `limit` good conversations of a source (see the module docstring for the specs)."""
+    own = stats is None  # no caller to report the skipped records: one warning line
     stats = stats if stats is not None else SourceStats(max_bad_fraction=max_bad_fraction)
     out: list[Conversation] = []
     for conv in iter_conversations(name_or_path, stats):
@@ -484,6 +500,8 @@ def load_conversations(
         if limit is not None and len(out) >= limit:
             break
     stats.check(final=True)
+    if own and stats.bad:
+        log.warning("%s", stats.summary())
     return out
 
 

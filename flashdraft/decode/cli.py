@@ -92,18 +92,13 @@ def register(app: typer.Typer) -> None:
             if shipped is None:
                 raise typer.BadParameter(f"--method {method} needs --drafter (or use --method ar)")
             drafter = str(shipped)
-        try:
-            t = load_target(target, dtype=dtype, device=device, attn_implementation=attn)
-            d = None
-            if method != "ar":
-                assert drafter is not None
-                d = DFlashDrafter.from_pretrained(
-                    resolve_drafter_path(drafter), dtype=t.dtype, device=t.device
-                )
-                check_pair(t, d.config)
-        except (ValueError, FileNotFoundError) as e:
-            typer.echo(f"error: {e}", err=True)
-            raise typer.Exit(2) from None
+        # a bad target, drafter or pair is a one-line error (flashdraft/cli.py's handler)
+        t = load_target(target, dtype=dtype, device=device, attn_implementation=attn)
+        d = None
+        if method != "ar":
+            assert drafter is not None
+            d = DFlashDrafter.from_pretrained(resolve_drafter_path(drafter), dtype=t.dtype, device=t.device)
+            check_pair(t, d.config)
         tok = t.tokenizer
         if prompt_ids is not None:
             try:
@@ -112,6 +107,13 @@ def register(app: typer.Typer) -> None:
                 raise typer.BadParameter(
                     f"--prompt-ids {prompt_ids!r}: expected comma-separated integers"
                 ) from None
+            vocab = t.vocab_size
+            bad = next((int(x) for x in ids if not 0 <= int(x) < vocab), None)
+            if bad is not None:  # the server answers the same with a 400
+                raise typer.BadParameter(
+                    f"prompt token id {bad} is outside the vocabulary (0..{vocab - 1})",
+                    param_hint="--prompt-ids",
+                )
         else:
             if tok is None:
                 raise typer.BadParameter(f"target {target!r} has no tokenizer: pass --prompt-ids")
@@ -127,14 +129,10 @@ def register(app: typer.Typer) -> None:
             raise typer.BadParameter(f"unknown engine {engine!r}: use auto, fast or reference", param_hint="--engine")
         if engine == "fast" or (engine == "auto" and t.device.type == "cuda"):
             from flashdraft.decode.engine import generate as run_generate  # noqa: F811  (same signature, token-identical)
-        try:
-            res = run_generate(
-                t, d, ids, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                method=method, budget=budget, stop_token_ids=stop, seed=seed,
-            )  # fmt: skip
-        except ValueError as e:
-            typer.echo(f"error: {e}", err=True)
-            raise typer.Exit(2) from None
+        res = run_generate(
+            t, d, ids, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+            method=method, budget=budget, stop_token_ids=stop, seed=seed,
+        )  # fmt: skip
         if tok is not None:
             typer.echo(tok.decode(res.tokens, skip_special_tokens=True))
         else:

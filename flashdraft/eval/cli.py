@@ -13,8 +13,11 @@ Imports of torch and friends stay inside the commands (`flashdraft --help` stays
 from __future__ import annotations
 
 from pathlib import Path
+from typing import NoReturn
 
 import typer
+
+from flashdraft.errors import UserError
 
 
 def _ints(text: str, flag: str) -> list[int]:
@@ -27,22 +30,48 @@ def _ints(text: str, flag: str) -> list[int]:
     return vals
 
 
-def _fail(msg: str) -> None:
-    typer.echo(f"error: {msg}", err=True)
-    raise typer.Exit(2)
+def _fail(msg: str) -> NoReturn:
+    raise UserError(msg)  # one line, exit 2 (flashdraft/cli.py); --debug shows where
 
 
-def _drafter_name(path: Path, folder: Path, step: int | None, taken: set[str]) -> str:
-    if (path / "checkpoints").is_dir():
-        base = f"{path.name}@step-{step}"
-    elif folder.name == "drafter":
-        base = folder.parent.name if step is None else f"{folder.parent.parent.parent.name}@step-{step}"
-    else:
-        base = folder.name
-    name, i = base, 2
-    while name in taken:
-        name, i = f"{base}#{i}", i + 1
-    return name
+def _name_tail(folder: Path, step: int | None, k: int) -> str:
+    """The last k components that name the drafter at `folder`: a run's checkpoint
+    (RUN/checkpoints/step-N/drafter) is RUN@step-N; a folder called `drafter` (flashdraft's layout name, not
+    a model's) is named with its parent too (`stage/drafter`, not `stage`, which says nothing alone)."""
+    parts = folder.resolve().parts[1:]  # without the root
+    if step is not None and folder.name == "drafter" and len(parts) >= 4 and parts[-3] == "checkpoints":
+        return "/".join(parts[:-3][-k:]) + f"@step-{step}"
+    k += folder.name == "drafter"
+    return "/".join(parts[-k:])
+
+
+def drafter_names(found: list[tuple[Path, int | None]]) -> list[str]:
+    """Row names of the drafters compared side by side: for each, the shortest tail of its path that no
+    other drafter shares (`a/stage/drafter` and `b/stage/drafter` stay apart); the same folder given twice
+    gets #2."""
+    ks = [1] * len(found)
+    names = [_name_tail(f, s, 1) for f, s in found]
+    where = [(f.resolve(), s) for f, s in found]
+    while True:
+        # names two different drafters share
+        dup = [
+            i
+            for i, n in enumerate(names)
+            if any(m == n and w != where[i] for m, w in zip(names, where, strict=True))
+        ]
+        grown = [i for i in dup if _name_tail(*found[i], ks[i] + 1) != names[i]]
+        if not grown:
+            break
+        for i in grown:
+            ks[i] += 1
+            names[i] = _name_tail(*found[i], ks[i])
+    out: list[str] = []
+    for n in names:
+        name, i = n, 2
+        while name in out:
+            name, i = f"{n}#{i}", i + 1
+        out.append(name)
+    return out
 
 
 def register(app: typer.Typer) -> None:
@@ -122,16 +151,13 @@ def register(app: typer.Typer) -> None:
             _fail(str(e))
         resources.apply()
         torch_dtype = _parse_dtype(dtype)
-        resolved = []
-        taken: set[str] = set()
+        found = []
         for p in drafter:
             try:
-                folder, step = resolve_drafter(p)
+                found.append(resolve_drafter(p))
             except FileNotFoundError as e:
                 _fail(str(e))
-            name = _drafter_name(p, folder, step, taken)
-            taken.add(name)
-            resolved.append((name, folder))
+        resolved = [(name, folder) for name, (folder, _) in zip(drafter_names(found), found, strict=True)]
         t = load_target(target, dtype=torch_dtype, device=device)
         models: dict[str, DFlashDrafter] = {}
         for name, folder in resolved:

@@ -94,7 +94,8 @@ def _int(body: dict[str, Any], key: str, lo: int, hi: int) -> int | None:
     if isinstance(v, bool) or not isinstance(v, int):
         raise invalid(f"'{key}' must be an integer, got {_type_name(v)}", key, "invalid_type")
     if not lo <= v <= hi:
-        raise invalid(f"'{key}' is {v}: it must be in {lo}..{hi}", key)
+        shown = v if abs(v) < 10**30 else "out of range"  # a JSON integer may have thousands of digits
+        raise invalid(f"'{key}' is {shown}: it must be in {lo}..{hi}", key)
     return v
 
 
@@ -106,9 +107,12 @@ def _float(
         return default
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise invalid(f"'{key}' must be a number, got {_type_name(v)}", key, "invalid_type")
-    v = float(v)
+    bound = f"({lo}, {hi}]" if lo_open else f"[{lo}, {hi}]"
+    try:
+        v = float(v)
+    except OverflowError:  # a JSON integer beyond float range (JSON has no size limit)
+        raise invalid(f"'{key}' is out of range: it must be in {bound}", key) from None
     if not math.isfinite(v) or v > hi or v < lo or (lo_open and v <= lo):
-        bound = f"({lo}, {hi}]" if lo_open else f"[{lo}, {hi}]"
         raise invalid(f"'{key}' is {v}: it must be in {bound}", key)
     return v
 

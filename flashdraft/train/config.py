@@ -8,11 +8,13 @@ combinations into one-line errors that name the field and the fix.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from flashdraft.config import ConfigError
 
 COMPILE_PARTS = {"attention", "loss", "model"}
+_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")  # the devices the trainer runs on (runtime.device)
 
 
 @dataclass
@@ -218,7 +220,7 @@ class TrainConfig:
             )
         if self.loss.gamma is not None and self.loss.gamma <= 0:
             raise ConfigError(f"loss.gamma {self.loss.gamma} must be > 0")
-        if o.lr <= 0:
+        if not o.lr > 0:
             raise ConfigError(f"optim.lr {o.lr} must be > 0")
         if len(o.betas) != 2 or not all(0 <= b < 1 for b in o.betas):
             raise ConfigError(f"optim.betas {o.betas} must be two numbers in [0, 1)")
@@ -232,6 +234,14 @@ class TrainConfig:
             raise ConfigError(f"optim.epochs {o.epochs} must be >= 1 (or set optim.max_steps)")
         if o.max_steps is not None and o.max_steps < 1:
             raise ConfigError(f"optim.max_steps {o.max_steps} must be >= 1")
+        if not _DEVICE.fullmatch(self.runtime.device):
+            raise ConfigError(f"runtime.device {self.runtime.device!r}: use auto, cpu, cuda or cuda:N")
+        td = self.runtime.target_device
+        tds = [x.strip() for x in td.split(",") if x.strip()]
+        if td != "same" and (not tds or not all(_DEVICE.fullmatch(x) and x != "auto" for x in tds)):
+            raise ConfigError(
+                f"runtime.target_device {td!r}: use same, cpu, cuda, cuda:N, or one cuda:N per rank, comma-separated"
+            )
         if self.runtime.dtype not in ("auto", "float32", "float64", "bfloat16"):
             raise ConfigError(f"runtime.dtype {self.runtime.dtype!r}: use auto, float32, float64 or bfloat16")
         parts = self.runtime.compile_parts

@@ -48,7 +48,9 @@ def test_regenerate_then_inspect(tmp_path):
     assert m["command"].startswith("flashdraft")
     assert m["filters"]["contamination"]["sources"] == ["eval_split"]  # humaneval check switched off
     r = runner.invoke(app, args)  # the dataset exists: refused, not overwritten
-    assert r.exit_code != 0 and "already exists" in str(r.exception)
+    assert (
+        r.exit_code == 2 and r.stderr.splitlines()[-1].startswith("error: ") and "already exists" in r.stderr
+    )
 
     r = runner.invoke(app, ["data", "inspect", str(out), "--tokenizer", str(folder)])
     assert r.exit_code == 0, r.output

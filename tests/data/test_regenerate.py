@@ -316,3 +316,49 @@ def test_max_turns_is_part_of_the_resume_fingerprint(tmp_path, target):
     cfg2, _, _ = _setup(tmp_path, max_turns=1)
     with pytest.raises(ValueError, match="max_turns"):
         regenerate(cfg2, tpl, LocalGenerator(target, params))
+
+
+def test_input_errors_leave_no_partial_folder(tmp_path, target):
+    """A missing input file or too many bad records stop the run before it writes anything: no OUT.partial/."""
+    from flashdraft.data.sources import BadInputError
+
+    cfg, tpl, params = _setup(tmp_path)
+    cfg.inputs = [f"messages:{tmp_path / 'missing.jsonl'}"]
+    with pytest.raises(FileNotFoundError, match="missing.jsonl"):
+        regenerate(cfg, tpl, LocalGenerator(target, params))
+    good = '{"messages": [{"role": "user", "content": "q"}]}\n'
+    (tmp_path / "junk.jsonl").write_text("not json\n" * 5 + good)
+    cfg.inputs = [f"messages:{tmp_path / 'junk.jsonl'}"]
+    with pytest.raises(BadInputError, match="5 of 6 records are bad"):
+        regenerate(cfg, tpl, LocalGenerator(target, params))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.json", "junk.jsonl"]
+
+
+def _prompt_len(tpl: ChatTemplate, i: int = 0) -> int:
+    return len(tpl.prompt_ids(None, [], f"Tell me a joke number {i}."))
+
+
+def test_max_length_drops_are_counted(tmp_path, target):
+    """Turns whose prompt (the history included) reaches --max-length are counted, not silently left out."""
+    cfg, tpl, params = _setup(tmp_path)
+    cfg.max_length = max(_prompt_len(tpl, i) for i in range(10)) + 7  # every first turn fits, no second one
+    res = regenerate(cfg, tpl, LocalGenerator(target, params, batch_size=4))
+    m = res.manifest
+    assert m["dropped"]["turns_over_max_length"] == 4  # q0, q3, q6, q9 have a second user turn
+    assert m["counts"]["train"] + m["counts"]["eval"] == 10
+    assert "conversation_over_max_length" not in m["dropped"]
+
+
+def test_nothing_usable_fails_and_writes_nothing(tmp_path, target):
+    """Every first prompt is longer than --max-length: one error naming the drops and the fix; no dataset,
+    no OUT.partial/ (it was this run's)."""
+    from flashdraft.data.regenerate import RegenError
+
+    cfg, tpl, params = _setup(tmp_path)
+    cfg.max_length = min(_prompt_len(tpl, i) for i in range(10))
+    want = (
+        r"nothing usable remains of 10 conversations .*'conversation_over_max_length': 10.*raise --max-length"
+    )
+    with pytest.raises(RegenError, match=want):
+        regenerate(cfg, tpl, LocalGenerator(target, params, batch_size=4))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.json"]

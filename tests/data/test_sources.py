@@ -114,11 +114,30 @@ def test_bad_jsonl_record_is_skipped_with_file_and_line(tmp_path, caplog, line, 
     path = tmp_path / "in.jsonl"
     path.write_text("\n".join([good, good, line, good]) + "\n")
     stats = SourceStats(max_bad_fraction=0.5)
-    with caplog.at_level(logging.WARNING, logger="flashdraft.data"):
-        convs = load_conversations(f"messages:{path}", stats=stats)
+    convs = load_conversations(f"messages:{path}", stats=stats)
     assert len(convs) == 3 and len(stats.bad) == 1
     assert stats.bad[0].line == 3 and reason in stats.bad[0].reason
-    assert f"{path}:3: " in caplog.text and reason in caplog.text
+    assert f"{path}:3: " in stats.summary() and reason in stats.summary()
+    # without a caller's stats to report them, one warning line says it
+    with caplog.at_level(logging.WARNING, logger="flashdraft.data"):
+        load_conversations(f"messages:{path}", max_bad_fraction=0.5)
+    assert caplog.text.count("\n") == 1
+    assert f"skipped 1 bad input record(s) of 4 (first: {path}:3: " in caplog.text
+
+
+def test_many_bad_records_make_one_line(tmp_path, caplog):
+    """Thirty bad records: one warning line with the count and the first, not thirty lines; the list on request."""
+    good = json.dumps({"messages": [{"role": "user", "content": "fine"}]})
+    path = tmp_path / "in.jsonl"
+    path.write_text("\n".join([good] * 300 + ["not json"] * 30) + "\n")
+    with caplog.at_level(logging.WARNING, logger="flashdraft.data"):
+        assert len(load_conversations(f"messages:{path}")) == 300
+    assert caplog.text.count("\n") == 1 and "skipped 30 bad input record(s) of 330" in caplog.text
+    stats = SourceStats()
+    load_conversations(f"messages:{path}", stats=stats)
+    stats.write_bad(tmp_path / "bad.txt")
+    lines = (tmp_path / "bad.txt").read_text().splitlines()
+    assert len(lines) == 30 and lines[0].startswith(f"{path}:301: malformed JSON")
 
 
 def test_non_utf8_bytes(tmp_path):
@@ -155,7 +174,7 @@ def test_too_many_bad_records_stop_the_run(tmp_path):
     path.write_text("\n".join([good, "not json", "{}", good, "nope"]))
     with pytest.raises(BadInputError, match=r"3 of 5 records are bad .*max_bad_fraction") as e:
         load_conversations(f"messages:{path}", max_bad_fraction=0.2)
-    assert f"{path}:2:" in str(e.value)
+    assert f"{path}:2:" in str(e.value) and "\n" not in str(e.value)
     # a large file stops as soon as the fraction is exceeded, without reading to the end
     big = tmp_path / "big.jsonl"
     big.write_text("\n".join(["junk"] * 200 + [good] * 10_000))

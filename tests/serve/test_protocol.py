@@ -107,3 +107,21 @@ def test_decode_json_rejects(raw: bytes, code: str) -> None:
     with pytest.raises(APIError) as e:
         decode_json(raw)
     assert e.value.status == 400 and e.value.code == code
+
+
+HUGE = "1" + "0" * 400  # a JSON integer beyond float range: float() raises OverflowError
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+@pytest.mark.parametrize(
+    "field", ["temperature", "top_p", "max_tokens", "max_completion_tokens", "seed", "n"]
+)
+@pytest.mark.parametrize("value", [HUGE, "-" + HUGE, "1e400", "-1e400"])
+def test_huge_numbers_are_400(kind: str, field: str, value: str) -> None:
+    """Every numeric field of the protocol: a number no float holds is the client's error (400), never a 500."""
+    rest = '"messages": [{"role": "user", "content": "hi"}]' if kind == "chat" else '"prompt": "hi"'
+    raw = f'{{"model": "m", {rest}, "{field}": {value}}}'.encode()
+    parse = parse_chat if kind == "chat" else parse_completion
+    with pytest.raises(APIError) as e:
+        parse(decode_json(raw), LIMITS)
+    assert e.value.status == 400 and e.value.param == field and len(e.value.message) < 200
