@@ -289,6 +289,17 @@ def write_first_turns(path: Path, n: int, source: str = "sharegpt") -> None:
     tmp.replace(path)
 
 
+def set_aside_unfinished_run(run: Path) -> Path | None:
+    """A quickstart killed before its first checkpoint leaves a run folder that `flashdraft train` refuses
+    (it never appends to an old run): rename it beside itself, nothing deleted, and say so."""
+    if not run.is_dir() or not any(run.iterdir()):
+        return None
+    aside = run.with_name(f"{run.name}.unfinished-{time.strftime('%Y%m%d-%H%M%S')}")
+    run.rename(aside)
+    typer.secho(f"{run} has no checkpoint (an earlier run stopped early): moved to {aside}", fg="yellow")
+    return aside
+
+
 def register(app: typer.Typer) -> None:
     @app.command()
     def quickstart(
@@ -342,6 +353,7 @@ def register(app: typer.Typer) -> None:
             dataclasses.replace(sizes, train_minutes=train_min), run, data, feats, device
         )
         if not (run / "checkpoints").is_dir():  # a rerun evaluates what the first run trained
+            set_aside_unfinished_run(run)
             _run(["train", str(CONFIG), *overrides], log)
         drafters = ["--drafter", str(run)]
         if (SHIPPED / "config.json").is_file() and any(SHIPPED.glob("model*.safetensors*")):

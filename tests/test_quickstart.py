@@ -217,3 +217,19 @@ def test_qs_screen_runs_the_builders_with_its_gpu_extras(
     assert _parse(calls[5][len(fd) :])["max_new_tokens"] == 48  # shorter answers for that variant's data only
     assert _parse(calls[3][len(fd) :])["max_new_tokens"] == 96
     assert _parse(calls[-1][len(fd) :])["dataset"] == str(work / "b" / "d400")
+
+
+def test_an_unfinished_run_is_set_aside_not_appended_to(tmp_path: Path) -> None:
+    """A run folder without checkpoints (a quickstart killed early) is renamed beside itself before training
+    starts again, with its files intact; an empty or missing folder is left alone."""
+    from flashdraft.quickstart import set_aside_unfinished_run
+
+    run = tmp_path / "run"
+    assert set_aside_unfinished_run(run) is None
+    run.mkdir()
+    assert set_aside_unfinished_run(run) is None and run.is_dir()
+    (run / "metrics.jsonl").write_text('{"step": 5}\n')
+    aside = set_aside_unfinished_run(run)
+    assert aside is not None and not run.exists()
+    assert aside.parent == tmp_path and aside.name.startswith("run.unfinished-")
+    assert (aside / "metrics.jsonl").read_text() == '{"step": 5}\n'
