@@ -134,6 +134,9 @@ def test_features_dump(files: dict[str, Path]) -> None:
     msg = one_error(["features", "dump", "--target", str(files["target"]), "--dataset", str(files["ds-bad"]),
                      "--out", str(files["root"] / "feats"), "--device", "cpu", "--layers", "1"], code=None)  # fmt: skip
     assert str(files["shard"]) in msg
+    msg = one_error(["features", "dump", "--target", str(files["target"]), "--dataset", str(files["ds"]),
+                     "--out", str(files["root"] / "feats"), "--device", "cpu", "--target-dtype", "fp8"])  # fmt: skip
+    assert "--target-dtype 'fp8': use one of" in msg
 
 
 @pytest.mark.parametrize(
@@ -164,6 +167,7 @@ def test_runs(files: dict[str, Path]) -> None:
     msg = one_error(["runs", "status", str(files["run"])])
     assert "should be UTF-8 text" in msg
     one_error(["runs", "archive", str(files["root"] / "no-run")], code=None)
+    assert "no such folder" in one_error(["runs", "list", str(files["root"] / "no-runs-here")])
     r = CliRunner().invoke(app, ["runs", "list", str(files["runs"])])  # a broken run is a line, not a failure
     assert (
         r.exit_code == 0 and "broken" in r.output and "unreadable" in r.output and "Traceback" not in r.output

@@ -8,7 +8,11 @@ flashdraft runs archive runs/smollm2-b16         # RUN -> RUN.archived-<UTC time
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import typer
+
+from flashdraft.errors import UserError
 
 features_app = typer.Typer(
     help="Offline target features for training (pipeline.mode=offline).", no_args_is_help=True
@@ -59,8 +63,11 @@ def features_dump(
     dev = torch.device(
         "cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device)
     )
-    tdt = {"auto": torch.bfloat16 if dev.type == "cuda" else torch.float32, "bfloat16": torch.bfloat16,
-           "float32": torch.float32, "float16": torch.float16}[target_dtype]  # fmt: skip
+    dtypes = {"auto": torch.bfloat16 if dev.type == "cuda" else torch.float32, "bfloat16": torch.bfloat16,
+              "float32": torch.float32, "float16": torch.float16}  # fmt: skip
+    if target_dtype not in dtypes:
+        raise UserError(f"--target-dtype {target_dtype!r}: use one of {', '.join(dtypes)}")
+    tdt = dtypes[target_dtype]
     t = load_target(target, dtype=tdt, device=dev)
     layer_ids = (
         [int(x) for x in layers.split(",")]
@@ -96,6 +103,8 @@ def runs_list(root: str = typer.Argument("runs", help="folder holding run folder
     age."""
     from flashdraft.train.runs import list_runs
 
+    if not Path(root).is_dir():
+        raise UserError(f"{root}: no such folder (give the folder that holds the run folders)")
     lines = list_runs(root)
     if not lines:
         typer.echo(f"no runs under {root}")
