@@ -72,18 +72,18 @@ SIZES = {
     # CPU with native bf16 (AVX512-BF16 / AMX): the target regenerates and dumps features in bf16, training runs
     # autocast with fp32 master weights, the eval stays float32. A 2-layer b3 drafter started from target layers
     # 16–17 (init_from_target=next after feature layer 15; γ = 1: the head costs the same for every labelled slot,
-    # so few slots and many anchors). The H200 screens (benchmarks/RESULTS.md "H200 session 8", "… 11", "… 12")
+    # so few slots and many anchors). The H200 screens (benchmarks/RESULTS.md, "Recipe screens" A–C)
     # found no recipe knob at these sizes (feature layer, init, lr, γ, weight decay, noise, anchors, answer length,
-    # more prompts, weight averaging) that moves held-out τ by more than ±0.03; more steps do (session 13's CPU:
+    # more prompts, weight averaging) that moves held-out τ by more than ±0.03; more steps do (Xeon-2c, 2026-12-05:
     # 2,800 → 4,000 steps, chain τ 1.48 → 1.52 on 100 held-out prompts). So training takes every minute the 20
     # leave (train_minutes 12, cut to what total_minutes leaves, steps and LR schedule fitted to them:
     # runtime.fit_steps_to_time_limit; `steps` is only a ceiling), and its steps are cheaper: the loss's softmax
     # over the 8,192 most frequent label tokens (loss.softmax_vocab; every training label here) — 0.105 s a step
-    # instead of 0.153 (profiled, session 13). data.greedy_labels (the prompts labelled too) measured no better
+    # instead of 0.153 (benchmarks/train_step_profile.py, Xeon-2c). data.greedy_labels (the prompts labelled too) measured no better
     # (1.48 vs 1.48 at 2,800 steps, 1.51 vs 1.52 at ~5,300) for a 2.9× features pass: off. EMA 0.998, lr 2.5e-3
-    # (session 12). Session 13's 2-core AMX Xeon, empty cache (RESULTS "Quickstart on the 2-core CPU (session 13)"):
+    # (screen C). On the 2-core AMX Xeon, empty cache (RESULTS "The CPU quickstart", 2026-12-05):
     # 18.0 min (data 236 s, features 152 s, 10.0 training minutes fitted to 4,230 steps, evals 53 + 56 s), held-out
-    # chain τ 1.517 on 24 prompts and on 100 (session 12's preset 1.483 on the 100; paired +0.041, se 0.013).
+    # chain τ 1.517 on 24 prompts and on 100 (the previous preset 1.483 on the 100; paired +0.041, se 0.013).
     "cpu": QuickstartSizes(
         prompts=1500,
         max_new_tokens=96,
@@ -137,10 +137,10 @@ SIZES = {
 
 # CPU without native bf16 (no AVX512-BF16 / AMX: bf16 is emulated there, ~80× slower than float32): float32
 # sizes, a 2-layer b3 drafter (target layers 16–17). Screened on the H200 as the CPU runs it (benchmarks/RESULTS.md,
-# "H200 session 8": 60 held-out prompts): at equal steps 2 layers and b3 lose nothing against 4 layers and b4,
-# and a step costs half as much on the CPU (0.32 s vs 0.67 s on session 8's 2-core Zen 3), so the same training
+# "Recipe screens" A: 60 held-out prompts): at equal steps 2 layers and b3 lose nothing against 4 layers and b4,
+# and a step costs half as much on the CPU (0.32 s vs 0.67 s on a 2-core Zen 3 EPYC, 2026-12-03), so the same training
 # minutes buy ~1,000 steps; with 450 prompts that gave held-out chain τ 1.385 / 1.375 (two seeds) against 1.285
-# for session 7's 300 prompts × 460 steps of the 4-layer b4 drafter. No other knob (lr, γ, weight decay,
+# for the earlier 300 prompts × 460 steps of the 4-layer b4 drafter. No other knob (lr, γ, weight decay,
 # feature / embedding noise, anchors) moved τ beyond the seed noise there. Batches of 32 rows regenerate
 # faster than 64 on that CPU (the same 140 prompts: 125 s against 154 and 180 s; 24 rows 127 s, 16 rows 168 s).
 # End to end on that CPU, idle, empty cache: 14.2 minutes (data 360 s, features 75 s, train 310 s = all 1,000
@@ -151,8 +151,8 @@ SIZES["cpu-fp32"] = dataclasses.replace(
 )  # fmt: skip
 
 
-# kept for the CPU evals (held-out ShareGPT and HumanEval, both drafters: 24 prompts each 66 + 72 s on session 12's
-# 2-core EPYC, 51 + 54 s on session 13's Xeon; 12 each 106 s on session 8's AVX2 CPU) and the train stage's start-up
+# kept for the CPU evals (held-out ShareGPT and HumanEval, both drafters: 24 prompts each 66 + 72 s on a
+# 2-core bf16 EPYC, 51 + 54 s on a 2-core AMX Xeon; 12 each 106 s on a 2-core AVX2 EPYC) and the train stage's start-up
 # and last checkpoint, which its time limit does not count (~0.3 min) (benchmarks/RESULTS.md)
 EVAL_RESERVE_MIN = 3.5
 

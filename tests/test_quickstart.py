@@ -156,7 +156,7 @@ def test_qs_screen_runs_the_builders_with_its_gpu_extras(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """benchmarks/gpu/qs_screen.py (no GPU needed to import it) builds its data and features commands with the
-    quickstart's builders on session 7's pinned sizes, plus its own target, engine, contamination and --yes."""
+    quickstart's builders on the screens' pinned sizes, plus its own target, engine, contamination and --yes."""
     import gzip
     import importlib.util
     import json
@@ -184,7 +184,7 @@ def test_qs_screen_runs_the_builders_with_its_gpu_extras(
     fd = [sys.executable, "-m", "flashdraft.cli"]
     assert [c[: len(fd)] for c in calls] == [fd] * 3
     regen, dump = calls[0][len(fd) :], calls[1][len(fd) :]
-    base = screen.SCREEN_BASE  # session 7's cpu-fp32 recipe: 4 layers, b4, layer 15, float32
+    base = screen.SCREEN_BASE  # the screens' base recipe: 4 layers, b4, layer 15, float32
     assert (base.layers, base.block_size, base.target_layer_ids, base.dtype) == (4, 4, [15], "float32")
     p = _parse(regen)
     assert p["input"] == [f"prompts:{work / 'p300.jsonl'}"] and p["out"] == str(work / "d300")

@@ -1,4 +1,4 @@
-"""Model FLOPs of a drafter training step (issue 5), counted from the CPU-side blocks: no device sync.
+"""Model FLOPs of a drafter training step, counted from the CPU-side blocks: no device sync.
 
     params = trainable_params(drafter)                         # once, at setup
     flops = step_flops(drafts, drafter.config, params)         # per optimizer step, host int

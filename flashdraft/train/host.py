@@ -6,7 +6,7 @@
 
 On CUDA the host only queues kernels and builds small index tensors (anchor sampling, build_blocks), and
 torch's default of one OpenMP thread per core makes every such op a parallel region whose barrier waits on
-the slowest thread: one descheduled thread stalls the step. H200 session 10 (benchmarks/gpu/mfu_ab.sh,
+the slowest thread: one descheduled thread stalls the step. On the H200, 2026-12-04 (benchmarks/gpu/mfu_ab.sh,
 random and real SmolLM2 targets): 2-6 of 60-120 drafter steps 60-150 ms slow, all of it host block building
 (70-180 ms at worst vs 8-9 ms with one thread); with OMP_NUM_THREADS=1 no slow step in three runs (0/60,
 0/120, 0/120); GC ruled out. torchrun sets OMP_NUM_THREADS=1 by default for the same reason. On CPU the

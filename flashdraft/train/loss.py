@@ -94,7 +94,7 @@ def _ce_chunk_fused(
     matmul dtype (bf16 on GPU) and no [c, V] float32 tensor is written — one reduction (max, argmax,
     Σ exp) and one pointwise pass (softmax − onehot, scaled, cast) that writes the gradient logits in the
     matmul dtype. `_ce_chunk`'s log_softmax / exp_ / scatter_add_ / mul_ / cast came out of inductor as a
-    reduction writing float32 plus a cast pass (benchmarks/RESULTS.md, H200 session 5 profile).
+    reduction writing float32 plus a cast pass (benchmarks/RESULTS.md, "Training throughput and MFU": the H200 profile).
     Same values: CE = logsumexp − logit[label], d CE / d logits = softmax − onehot."""
     logits = h @ w.t()  # [c, V] in the matmul dtype
     z = logits.to(acc)  # compiled: fused into both passes, never written

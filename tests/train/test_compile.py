@@ -24,7 +24,7 @@ def test_whole_drafter_forward_is_one_graph(attention, monkeypatch):
     one frame with no graph break, whether or not compile_flex_attention() (runtime.compile=attention) ran
     earlier in the process. It had broken at `_FLEX_KERNEL or flex_attention` under torch 2.11: every
     DecoderLayer.forward then compiled on its own, and layer 1's grad-requiring input recompiled layer 0's
-    frame (the GPU test's RecompileError, session 7)."""
+    frame (the GPU test's RecompileError on the H200)."""
     t = tiny_target("llama", dtype=torch.bfloat16, hidden=64)
     drafter = tiny_drafter(t, layers=2, block_size=8).float().train()
     if attention == "flex":

@@ -1,4 +1,4 @@
-"""Model FLOPs of a drafter step (issue 5): a hand-counted batch, and the count against the block mask."""
+"""Model FLOPs of a drafter step: a hand-counted batch, and the count against the block mask."""
 
 from __future__ import annotations
 
