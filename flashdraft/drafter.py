@@ -1,7 +1,7 @@
 """The DFlash drafter: a small Qwen3-style block-diffusion model conditioned on target features.
 
 Reads top to bottom: config, RoPE, norm, attention with KV injection, decoder layer, model,
-checkpoint I/O. DESIGN.md §1 is the specification; the checkpoint format is the public
+checkpoint I/O. docs/method.md §2 is the specification; the checkpoint format is the public
 DFlash one (z-lab releases), so SGLang/vLLM load ours and we load theirs.
 
     drafter = DFlashDrafter.from_pretrained("models/smollm2-135m-instruct-dflash-b16")
@@ -28,7 +28,7 @@ from flashdraft.files import apply_umask, atomic_folder
 
 
 def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
-    """Target layers whose outputs feed the drafter (DESIGN.md §1): evenly from 1 to L_t - 3.
+    """Target layers whose outputs feed the drafter (docs/method.md §2.2): evenly from 1 to L_t - 3.
 
     Python's `round` (half-to-even) on purpose: the public releases use it, and a 30-layer
     target must give [1, 8, 14, 20, 27].
@@ -490,7 +490,7 @@ class DFlashDrafter(nn.Module):
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
-    # -- checkpoints (public DFlash layout; see DESIGN.md §1)
+    # -- checkpoints (public DFlash layout; see docs/method.md §3)
 
     @classmethod
     def from_pretrained(

@@ -41,7 +41,7 @@ class QuickstartSizes:
     regen_batch: int
     max_length: int  # tokens per training sample
     layers: int  # drafter depth
-    target_layer_ids: list[int] | None  # target layers feeding the drafter (None: DESIGN.md §1 default)
+    target_layer_ids: list[int] | None  # target layers feeding the drafter (None: the default of docs/method.md §2.2)
     block_size: int
     steps: int  # optimizer steps
     token_budget: int  # target tokens per micro-batch

@@ -1,6 +1,6 @@
 """DDTree: the draft tree built from one drafter pass, its verify mask/positions, and the walk.
 
-DESIGN.md §3. From the drafter's per-slot distributions q_1..q_L the tree holds the `budget`
+docs/method.md §9. From the drafter's per-slot distributions q_1..q_L the tree holds the `budget`
 most likely prefixes under Q(y) = Π q_i(y_i); the target verifies `[bonus] + nodes` in one
 forward with an ancestor-only mask at positions start + depth, and the walk follows the
 target's choice from the root while it matches a child. Used by `flashdraft generate

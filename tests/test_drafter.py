@@ -141,7 +141,7 @@ def test_rope_parameters_from_transformers5(tmp_path):
 
 
 def reference_forward(d: DFlashDrafter, th, ne, pos):
-    """An independent, literal transcription of DESIGN.md §1 on HF's Qwen3 building blocks."""
+    """An independent, literal transcription of docs/method.md §2 on HF's Qwen3 building blocks."""
     from transformers.models.qwen3.modeling_qwen3 import rotate_half
 
     cfg = d.config

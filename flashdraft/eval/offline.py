@@ -3,7 +3,7 @@
     tf = teacher_forced(target, prompt_ids + reference, layer_ids)
     result = replay_sample(target, drafter, tf, prompt_len, reference, methods)
 
-Why it is exact (DESIGN.md §4): at a round starting at position s (the bonus X[s]), the
+Why it is exact (docs/method.md §11.1): at a round starting at position s (the bonus X[s]), the
 drafter sees the target features of positions < s and the block [X[s], MASK × (B−1)] —
 nothing else. With the target's own continuation as reference, those features are the
 teacher-forced ones, and the target's choice at each verified slot is the reference token.

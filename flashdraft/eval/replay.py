@@ -7,7 +7,7 @@ would at T=0 (the reference token *is* the target's choice) and in distribution 
     method = Method.parse("ddtree-64")
     outcome = accept(method, rows, reference_slots)       # accepted drafts + the surrogate's prediction
 
-Method names (never confuse the last two — DESIGN.md §3):
+Method names (never confuse the last two — docs/method.md §9.3):
     chain       vanilla DFlash: accept the longest prefix where draft == reference token
     ddtree-N    a DDTree of N nodes (root excluded), built exactly as `flashdraft.tree.build_tree`
                 builds it online, so τ <= N + 1

@@ -4,7 +4,7 @@
     print(markdown_table(report))
     plot_watch_log("RUN/eval/log.jsonl", "RUN/eval/tau_over_steps.png")
 
-Labels follow DESIGN.md §3: `ddtree-N` is a DDTree of N nodes (τ ≤ N+1); `topk-K` is the
+Labels follow docs/method.md §9.3: `ddtree-N` is a DDTree of N nodes (τ ≤ N+1); `topk-K` is the
 top-k streak (τ ≤ B). The prompt formatting and max_new_tokens are written into every report.
 """
 

@@ -1,4 +1,4 @@
-"""Anchors, training blocks and the block attention mask (DESIGN.md §2).
+"""Anchors, training blocks and the block attention mask (docs/method.md §5).
 
 For anchor `a` in a document starting at row index `d`, the block is `[x[a], MASK × (B−1)]`
 at document positions `pos[a] .. pos[a]+B−1`; slot k (1..B−1) is trained to predict `x[a+k]`
@@ -144,7 +144,7 @@ class DraftBatch:
 
 
 def build_blocks(batch: FeatureBatch, anchors: Anchors, block_size: int, mask_token_id: int) -> DraftBatch:
-    """Block inputs, positions and same-position labels for every anchor (DESIGN.md §2)."""
+    """Block inputs, positions and same-position labels for every anchor (docs/method.md §5)."""
     r, s = batch.input_ids.shape
     n, b = anchors.positions.shape[1], block_size
     k = torch.arange(b)

@@ -20,7 +20,7 @@ def register(app: typer.Typer) -> None:
             False, "--resume", help="continue exactly from the run's latest checkpoint"
         ),
     ) -> None:
-        """Train a DFlash drafter on the target's own responses (DESIGN.md §2)."""
+        """Train a DFlash drafter on the target's own responses (docs/method.md §7)."""
         import shlex
         import signal
         import sys

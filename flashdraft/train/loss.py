@@ -1,4 +1,4 @@
-"""The drafter loss: decayed hard cross-entropy through the target's frozen lm_head (DESIGN.md §2).
+"""The drafter loss: decayed hard cross-entropy through the target's frozen lm_head (docs/method.md §6).
 
     weights = slot_weights(block_size=16)                       # [B]: 0, 1, e^(-1/7), ...
     denom = loss_denominator([draft1, draft2], weights)          # Σw over the global batch

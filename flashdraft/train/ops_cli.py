@@ -26,7 +26,7 @@ def features_dump(
     dataset: str = typer.Option(..., help="a flashdraft dataset folder"),
     out: str = typer.Option(..., help="output folder (resumable: finished shards are skipped)"),
     layers: str = typer.Option(
-        None, help="target layer ids, comma-separated (default: DESIGN.md §1 for --drafter-layers)"
+        None, help="target layer ids, comma-separated (default: docs/method.md §2.2 for --drafter-layers)"
     ),
     drafter_layers: int = typer.Option(5, help="drafter depth, for the default layer choice"),
     split: str = typer.Option("train"),
