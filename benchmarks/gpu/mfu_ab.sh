@@ -9,24 +9,19 @@
 #   base      none (session 5: 24.1%)
 #   fused     --fused-ce                     loss: two passes over bf16 logits, no [chunk, V] float32
 #   chunk8k   --fused-ce --chunk-tokens 8192 the same, half as many chunks
-#   flex64    --flex-block 64,64 --compile-mode max-autotune-no-cudagraphs   BlockMask tiles 64 × 64 (fewer
+#   flex128x64 --flex-block 128,64 --compile-mode max-autotune-no-cudagraphs   BlockMask tiles 128 × 64 (fewer
 #             partial tiles), matching kernel tiles. On the H200 (sm90, head dim 64) torch's only default
 #             backward config has 128-wide tiles, which must divide the mask's: without max-autotune's extra
-#             configs the backward has no choice (NoValidChoicesError, session 6). Long compile.
-#   flex128x64 --flex-block 128,64 (same caveat)
-#   cgraph    --compile-mode reduce-overhead the compiled drafter replayed as CUDA graphs
+#             configs the backward has no choice (NoValidChoicesError for 64 × 64, 2026-12-03). Long compile.
 #   all       fused + chunk8k
-#   allgc     all + --gc-every 50 (runtime.gc_every's default): automatic GC off, gc.collect(1) every 50 steps
-#             (issue 5's slow steps, session 9: 11 of 60 at 146-181 ms, a host GC pause while the GPU idles?)
-#   allcg     all + cgraph
 #   all1t     all with OMP_NUM_THREADS=1 (one intra-op CPU thread, torchrun's default). Session 10: the slow steps'
 #             extra ~60 ms is all host time in anchor sampling + build_blocks (host_blocks_ms_per_step 40-180 ms
-#             vs 4.5), not GC (allgc: no pauses); suspect: 16 OpenMP threads' barriers on tiny CPU tensors
+#             vs 4.5), not GC (no GC pauses in those windows); suspect: 16 OpenMP threads' barriers on tiny CPU tensors
 #             waiting for a descheduled thread
 #   all4t     all with OMP_NUM_THREADS=4
 #   allht     all + --host-threads 1 (runtime.host_threads's CUDA default: torch.set_num_threads(1) around the
 #             steps, as Trainer.run does; session 10's all1t fix in the config instead of the environment)
-# Every variant runs with --gc-every 0 (Python's automatic GC, as sessions 5-9 measured) and --host-threads 0
+# Every variant runs with --host-threads 0
 # (torch's default intra-op threads, as sessions 5-10 measured) unless it sets its own.
 # PROFILE_VARIANT (default all) adds `--profile 2`: its top kernels land in the log.
 # Outputs: $OUT/mfu_ab.json (every variant's train_throughput JSON), $OUT/mfu_ab.log (every log),
@@ -43,7 +38,7 @@ PY=${PY:-python3}
 OUT=${OUT:-/tmp/mfu_ab_out}
 mkdir -p "$OUT"
 WORK=$(mktemp -d /tmp/mfu_ab.XXXXXX)
-VARIANTS=${VARIANTS:-"base fused all allgc cgraph allcg flex64 chunk8k"}
+VARIANTS=${VARIANTS:-"base fused all allht chunk8k"}
 TOTAL_S=${TOTAL_S:-240}              # the whole A/B: a variant gets at most what is left of this ...
 VARIANT_TIMEOUT_S=${VARIANT_TIMEOUT_S:-150}  # ... and at most this (the first compiles cold)
 MIN_S=${MIN_S:-35}                  # no variant starts with less than this left (a warm-cache run needs ~30 s)
@@ -51,7 +46,7 @@ MIN_S=${MIN_S:-35}                  # no variant starts with less than this left
 if [ -n "${DRY:-}" ]; then
   # CPU: eager drafter and loss, dense mask (compile and flex apply on CUDA only): checks the plumbing, flags
   # and the table; 16 blocks a row keep the tiny steps short
-  BASE=(--device cpu --tiny --steps 2 --warmup-steps 1 --compile model,loss --blocks-per-row 16 --gc-every 0
+  BASE=(--device cpu --tiny --steps 2 --warmup-steps 1 --compile model,loss --blocks-per-row 16
         --host-threads 0)
 else
   # session 5's target: the bf16 HF copy (~2 s a load); not env.sh's GGUF fallback (~20-40 s a load, per variant)
@@ -63,7 +58,7 @@ else
   # session 5 timed 12 steps after 5 warm-up ones; session 6 found that too few: the same code measured
   # 318 ms a drafter step after 5 warm-up steps and 146 ms after 15 (benchmarks/RESULTS.md, H200 session 6)
   BASE=(--target "$T" --steps ${STEPS:-25} --warmup-steps ${WARMUP:-15} --compile model,loss --blocks-per-row 1024
-        --gc-every 0 --host-threads 0)  # a variant's own --gc-every / --host-threads comes later and wins
+        --host-threads 0)  # a variant's own --host-threads comes later and wins
 fi
 
 flags_of() {
@@ -71,13 +66,9 @@ flags_of() {
     base) echo "" ;;
     fused) echo "--fused-ce" ;;
     chunk8k) echo "--fused-ce --chunk-tokens 8192" ;;
-    flex64) echo "--flex-block 64,64 --compile-mode max-autotune-no-cudagraphs" ;;
     flex128x64) echo "--flex-block 128,64 --compile-mode max-autotune-no-cudagraphs" ;;
-    cgraph) echo "--compile-mode reduce-overhead" ;;
     all) echo "--fused-ce --chunk-tokens 8192" ;;
-    allgc) echo "--fused-ce --chunk-tokens 8192 --gc-every 50" ;;
     allht) echo "--fused-ce --chunk-tokens 8192 --host-threads 1" ;;
-    allcg) echo "--fused-ce --chunk-tokens 8192 --compile-mode reduce-overhead" ;;
     all1t|all4t) echo "--fused-ce --chunk-tokens 8192" ;;
     *) echo "unknown variant $1" >&2; return 1 ;;
   esac
