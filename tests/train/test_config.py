@@ -186,3 +186,28 @@ def test_a_removed_key_that_asks_for_something_is_refused_in_one_line(override, 
         "\n" not in msg and f"config key '{key}' was removed (" in msg and "delete it from the config" in msg
     )
     assert msg.startswith(str(p))  # names the file
+
+
+def test_the_fields_that_only_shape_or_place_things_reach_what_they_set():
+    """model.target_dtype, the drafter's architecture fields (num_attention_heads, num_key_value_heads, head_dim,
+    mask_token_id), runtime.target_device: each reaches the object it configures."""
+    import torch
+
+    from flashdraft.train.launch import build_drafter, resolve_precision
+    from flashdraft.train.pipeline import resolve_target_device
+    from tests.conftest import tiny_target
+
+    cpu = torch.device("cpu")
+    assert (
+        resolve_precision(load_config(TrainConfig, None, ["model.target_dtype=float64"]), cpu).target
+        == torch.float64
+    )
+    with pytest.raises(ConfigError, match="model.target_dtype 'int8'"):
+        resolve_precision(load_config(TrainConfig, None, ["model.target_dtype=int8"]), cpu)
+    shape = ["model.num_layers=1", "model.block_size=4", "model.num_attention_heads=2", "model.num_key_value_heads=1",
+             "model.head_dim=8", "model.mask_token_id=7"]  # fmt: skip
+    d = build_drafter(load_config(TrainConfig, None, shape), tiny_target("llama"), cpu, torch.float32).config
+    assert (d.num_attention_heads, d.num_key_value_heads, d.head_dim, d.mask_token_id) == (2, 1, 8, 7)
+    assert resolve_target_device("same", cpu) == cpu and resolve_target_device("cpu,cpu", cpu, 1) == cpu
+    with pytest.raises(ValueError, match="lists 2 devices but this is local rank 2"):
+        resolve_target_device("cpu,cpu", cpu, 2)
