@@ -97,7 +97,7 @@ def test_native_drafter_matches_reference(family):
 def test_target_logits_are_float32_on_a_bf16_target():
     """bf16 logits tie exactly at the top often enough to split AR from verify (HeadFP32's docstring):
     the native forwards (engine and regeneration) compute the head in float32 on the bf16 hidden states."""
-    from flashdraft.decode.native import BatchedNativeTarget
+    from flashdraft.data.native import BatchedNativeTarget
 
     target = tiny_target("llama", layers=2, dtype=torch.bfloat16, vocab=211)
     ids = torch.randint(3, target.vocab_size, (9,), generator=torch.Generator().manual_seed(1))
