@@ -455,6 +455,11 @@ def test_engine_edges_and_errors():
         engine.generate([5, 6], max_new_tokens=4, method="ddtree", budget=16)
     with pytest.raises(ValueError, match="needs budget"):
         engine.generate([5, 6], max_new_tokens=4, method="ddtree")
+    # the same request checks as the reference decoder's (flashdraft.decode.generate.check_request)
+    with pytest.raises(ValueError, match="budget -1 must be >= 0"):
+        engine.generate([5, 6], max_new_tokens=4, method="ddtree", budget=-1)
+    with pytest.raises(ValueError, match="method 'chain' needs a drafter"):
+        FastEngine(target, max_len=32).generate([5, 6], max_new_tokens=4)
     seen: list[list[int]] = []
     res = engine.generate([5, 6], max_new_tokens=20, on_tokens=lambda t: seen.append(t) or len(seen) < 2)
     assert res.stop_reason == "cancelled" and sum(seen, []) == res.tokens
