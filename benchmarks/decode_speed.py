@@ -31,6 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from flashdraft.decode.divergence import engine_next_logits, find_divergence  # noqa: E402
 from flashdraft.decode.engine import FastEngine  # noqa: E402
 from flashdraft.drafter import DFlashDrafter  # noqa: E402
 from flashdraft.target import TargetModel, drafter_config_for, load_target  # noqa: E402
@@ -175,21 +176,17 @@ def shape_costs(engine: FastEngine, prompt: list[int], budgets: list[int], reps:
 def agreement(
     engine: FastEngine, prompts: list[list[int]], ar: list[list[int]], other: list[list[int]]
 ) -> dict[str, Any]:
-    """bf16: identical sequences, first divergence, and the top-2 margin of the AR-teacher-forced logits there."""
+    """bf16: identical sequences, first divergence, and the top-2 margin of the AR-teacher-forced logits there
+    (the engine's own forward, `flashdraft.decode.divergence`). A sequence that stops early where the other goes
+    on diverges where it ends, with no margin (None)."""
     same, firsts, margins = 0, [], []
     for p, a, o in zip(prompts, ar, other, strict=True):
         if a == o:
             same += 1
             continue
-        k = next(i for i, (x, y) in enumerate(zip(a, o, strict=False)) if x != y)
-        firsts.append(k)
-        ids = torch.tensor(p + a, device=engine.device)
-        n = ids.shape[0]
-        pos = torch.arange(n, device=engine.device)
-        logits = engine.native.forward(ids, pos, pos, engine.kv_idx[None] <= pos[:, None]).logits
-        row = logits[len(p) + k - 1].float()  # predicts new token k
-        top = row.topk(2).values
-        margins.append(float(top[0] - top[1]))
+        d = find_divergence(engine.target, p, a, o, next_logits=engine_next_logits(engine))
+        firsts.append(d.position if d is not None else min(len(a), len(o)))
+        margins.append(d.top2_margin if d is not None else None)
     matched = sum(firsts) + sum(len(a) for a, o in zip(ar, other, strict=True) if a == o)
     return {"identical_sequences": same, "of": len(prompts), "first_divergence": firsts, "top2_margin_at_divergence": margins,
             "tokens_before_divergence_frac": matched / sum(len(a) for a in ar)}  # fmt: skip

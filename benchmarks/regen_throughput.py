@@ -16,7 +16,6 @@ all in one run (after a small warm-up batch per method):
   on the target's own layers (`--batch-size` rows decode together, finished rows are refilled);
 - `flashdraft-loop`: the regenerator's batched loop over TargetModel (length-sorted batches, left
   padding, one host sync every 8 steps);
-- `flashdraft-hf`: the regenerator's batches through `model.generate` (static cache on CUDA);
 - `transformers-generate`: plain `model.generate` (default dynamic cache) on the same prompts in
   the given order, same batch size, left padded, stopping at the same stop ids.
 Generated tokens are counted up to and including the stop token. Prints a table and writes JSON
@@ -109,7 +108,7 @@ def main() -> None:
     results: dict[str, dict[str, Any]] = {}
     outputs: dict[str, list[list[int]]] = {}
     for method in args.methods.split(","):
-        if method in ("flashdraft-native", "flashdraft-loop", "flashdraft-hf"):
+        if method in ("flashdraft-native", "flashdraft-loop"):
             gen = LocalGenerator(target, params, engine=method.split("-")[1], batch_size=args.batch_size,
                                  max_batch_tokens=args.max_batch_tokens)  # fmt: skip
             run = lambda ps, g=gen: [x.ids for x in g.generate(ps, seed=0)]  # noqa: E731

@@ -18,9 +18,8 @@ with a device sync around the target pass and around the drafter step so the spl
 - time split target / drafter, peak memory (CUDA allocator);
 - per timed step, inside the drafter-step window: the host's pauses in Python's cyclic GC
   (`gc_ms_per_step`, the highest generation collected in `gc_max_generation_per_step`) and the
-  host time spent sampling anchors and building blocks (`host_blocks_ms_per_step`). `--gc-every N`
-  applies the trainer's runtime.gc_every policy (`flashdraft.train.gc_policy`) to the steps;
-  unset, the config default. `--host-threads N` likewise applies runtime.host_threads (torch's
+  host time spent sampling anchors and building blocks (`host_blocks_ms_per_step`).
+  `--host-threads N` applies runtime.host_threads (torch's
   intra-op CPU threads, `flashdraft.train.host`; unset: the config's auto, 1 on CUDA); the result's
   `host_threads` records the resolved setting and torch.get_num_threads() during the steps.
 
@@ -54,7 +53,6 @@ from flashdraft.config import load_config
 from flashdraft.train import trainer as trainer_module
 from flashdraft.train.config import TrainConfig
 from flashdraft.train.flops import block_tokens, step_flops
-from flashdraft.train.gc_policy import GCPolicy
 from flashdraft.train.host import HostThreads, resolve_host_threads
 from flashdraft.train.launch import build_drafter, compile_parts, resolve_precision
 from flashdraft.train.metrics import MetricsLogger
@@ -198,7 +196,7 @@ def main() -> None:
     ap.add_argument("--blocks-per-row", type=int, default=0,
                     help="as data.blocks_per_row (> 0: static shapes; needed by --compile model)")  # fmt: skip
     ap.add_argument("--compile-mode", default="default",
-                    help="as runtime.compile_mode: default, reduce-overhead (CUDA graphs), max-autotune-no-cudagraphs")  # fmt: skip
+                    help="as runtime.compile_mode: default or max-autotune-no-cudagraphs")  # fmt: skip
     ap.add_argument("--fused-ce", action="store_true", help="loss.fused_ce=true: the two-pass CE chunk")
     ap.add_argument("--chunk-tokens", type=int, default=4096, help="as loss.chunk_tokens")
     ap.add_argument(
@@ -207,9 +205,6 @@ def main() -> None:
     ap.add_argument("--peak-tflops", type=float, default=790.0, help="bf16 ceiling of the device (H200: 790)")
     ap.add_argument("--queue-depth", type=int, default=0, help="> 0: online pipeline with this queue depth")
     ap.add_argument("--target-device", default="same", help="the target's device (pipeline), e.g. cuda:0")
-    ap.add_argument("--gc-every", type=int, default=None,
-                    help="as runtime.gc_every: 0 = automatic GC, N > 0 = GC off, gc.collect(1) every N steps "
-                         "(unset: the config default)")  # fmt: skip
     ap.add_argument("--host-threads", type=int, default=None,
                     help="as runtime.host_threads: 0 = torch's thread count, N >= 1 = torch.set_num_threads(N) "
                          "during the steps (unset: the config's auto, 1 on CUDA, torch's default on CPU)")  # fmt: skip
@@ -232,7 +227,6 @@ def main() -> None:
          f"runtime.compile={args.compile}", "data.dataset=<benchmark>", "telemetry.progress=false",
          f"runtime.compile_mode={args.compile_mode}", f"loss.fused_ce={str(args.fused_ce).lower()}",
          f"loss.chunk_tokens={args.chunk_tokens}", f"runtime.flex_block_size=[{args.flex_block}]",
-         *([f"runtime.gc_every={args.gc_every}"] if args.gc_every is not None else []),
          *([f"runtime.host_threads={args.host_threads}"] if args.host_threads is not None else [])],
     )  # fmt: skip
     prec = resolve_precision(cfg, device)
@@ -290,10 +284,9 @@ def main() -> None:
     wait = (lambda: sync_stream(device)) if queued else (lambda: sync(device))  # noqa: E731
     gc_pauses, host_blocks = GCPauses(), HostBlockTimer(trainer)
     gc.callbacks.append(gc_pauses)
-    # as Trainer.run applies runtime.gc_every and runtime.host_threads (warm-up steps included: the run compiles
-    # inside them too)
+    # as Trainer.run applies runtime.host_threads (warm-up steps included: the run compiles inside them too)
     threads = resolve_host_threads(cfg.runtime.host_threads, device)
-    with HostThreads(threads), GCPolicy(cfg.runtime.gc_every) as gc_policy:
+    with HostThreads(threads):
         torch_threads = torch.get_num_threads()
         for i in range(args.warmup_steps + args.steps):
             wait()
@@ -305,7 +298,6 @@ def main() -> None:
             host_blocks.take()
             iv = Interval(hcfg.block_size, device)
             drafts = trainer.optimizer_step(micro, iv)
-            gc_policy.step(i + 1)  # where Trainer.run collects: after the step is queued, before any sync
             step_losses.append(iv.loss_sum)
             wait()
             t2 = time.perf_counter()
@@ -372,7 +364,6 @@ def main() -> None:
         ],
         # the host inside each drafter-step window: cyclic GC pauses (a slow-step hypothesis) and block
         # building (anchors + build_blocks); the highest GC generation collected there, null for none
-        "gc_every": cfg.runtime.gc_every,
         # runtime.host_threads resolved (0 = torch's count left alone) and torch's intra-op threads during the steps
         "host_threads": {"setting": threads, "torch_threads": torch_threads},
         "gc_ms_per_step": [round(r["gc_ms"], 2) for r in rows],

@@ -4,7 +4,9 @@
 
 Unknown keys are errors that name the closest valid key; values are coerced to the field's
 annotated type (int, float, bool, str, lists, Optional, nested dataclasses); a float must be finite
-(`optim.lr=nan` is an error naming the field).
+(`optim.lr=nan` is an error naming the field). A key that was removed
+(a section's `REMOVED`) is still read from configs saved before the removal when its value did
+nothing (e.g. `false`), and ignored; any other value is an error that says it was removed and why.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import difflib
 import math
 import types
 import typing
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -26,6 +29,19 @@ T = TypeVar("T")
 
 class ConfigError(UserError, ValueError):
     pass
+
+
+@dataclass(frozen=True)
+class Removed:
+    """A config key that no longer exists. Run folders keep their config.yaml (resumed or read back), so a
+    value in `inert` (what the key's "off" was), or any value when `inert` is None, is accepted and ignored;
+    another value is refused: it asked for behaviour the code no longer has."""
+
+    why: str  # one clause: the measurement that removed it
+    inert: tuple[Any, ...] | None = ()
+
+    def accepts(self, value: Any) -> bool:
+        return self.inert is None or any(value == v and type(value) is type(v) for v in self.inert)
 
 
 def _coerce(value: Any, tp: Any, where: str) -> Any:
@@ -104,9 +120,15 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
 def _from_dict(cls: type[T], raw: dict[str, Any], where: str = "") -> T:
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+    removed: dict[str, Removed] = getattr(cls, "REMOVED", {})
     kw: dict[str, Any] = {}
     for key, value in raw.items():
         path = f"{where}.{key}" if where else key
+        if key in removed:
+            if removed[key].accepts(value):
+                continue
+            why = removed[key].why
+            raise ConfigError(f"config key {path!r} was removed ({why}): delete it from the config")
         if key not in names:
             near = difflib.get_close_matches(key, names, n=1)
             hint = f" (did you mean {near[0]!r}?)" if near else f" (valid: {', '.join(names)})"

@@ -50,9 +50,6 @@ class QuickstartSizes:
     gamma: float | None  # loss decay over slots (None: the paper's per-B default)
     ema_decay: float  # optim.ema_decay: checkpoints hold a moving average of the weights (0: off)
     init_from_target: str  # model.init_from_target: none | last | next (start from target layers)
-    # data.greedy_labels: the prompts' positions are labelled too, with the target's greedy next tokens (the
-    # features stage then runs the whole target and stores them: `features dump --greedy`)
-    greedy_labels: bool
     softmax_vocab: int  # loss.softmax_vocab: the loss's softmax over this many most frequent label tokens (0: all)
     # training stops here even before `steps` (keeps the whole run in budget); with a limit the trainer fits its
     # steps and LR schedule to it after ~100 steps (runtime.fit_steps_to_time_limit), so `steps` is an upper bound
@@ -79,9 +76,9 @@ SIZES = {
     # leave (train_minutes 12, cut to what total_minutes leaves, steps and LR schedule fitted to them:
     # runtime.fit_steps_to_time_limit; `steps` is only a ceiling), and its steps are cheaper: the loss's softmax
     # over the 8,192 most frequent label tokens (loss.softmax_vocab; every training label here) — 0.105 s a step
-    # instead of 0.153 (benchmarks/train_step_profile.py, Xeon-2c). data.greedy_labels (the prompts labelled too) measured no better
-    # (1.48 vs 1.48 at 2,800 steps, 1.51 vs 1.52 at ~5,300) for a 2.9× features pass: off. EMA 0.998, lr 2.5e-3
-    # (screen C). On the 2-core AMX Xeon, empty cache (RESULTS "The CPU quickstart", 2026-12-05):
+    # instead of 0.153 (benchmarks/train_step_profile.py, Xeon-2c). Labelling the prompts too (target's greedy
+    # tokens) measured no better (1.48 vs 1.48 at 2,800 steps, 1.51 vs 1.52 at ~5,300) for a 2.9× features pass:
+    # removed. EMA 0.998, lr 2.5e-3 (screen C). On the 2-core AMX Xeon, empty cache (RESULTS "The CPU quickstart", 2026-12-05):
     # 18.0 min (data 236 s, features 152 s, 10.0 training minutes fitted to 4,230 steps, evals 53 + 56 s), held-out
     # chain τ 1.517 on 24 prompts and on 100 (the previous preset 1.483 on the 100; paired +0.041, se 0.013).
     "cpu": QuickstartSizes(
@@ -99,7 +96,6 @@ SIZES = {
         gamma=1.0,
         ema_decay=0.998,
         init_from_target="next",
-        greedy_labels=False,
         softmax_vocab=8192,
         train_minutes=12.0,
         total_minutes=20.0,
@@ -123,7 +119,6 @@ SIZES = {
         gamma=None,
         ema_decay=0.0,
         init_from_target="none",  # not measured on a GPU run yet; the paper trains from scratch
-        greedy_labels=False,
         softmax_vocab=0,
         train_minutes=None,
         total_minutes=None,
@@ -191,7 +186,7 @@ def train_overrides(sizes: QuickstartSizes, run: Path, data: Path, feats: Path, 
         f"model.num_layers={sizes.layers}", f"model.block_size={sizes.block_size}",
         f"optim.max_steps={sizes.steps}", f"optim.lr={sizes.lr}", f"checkpoint.every={sizes.steps}",
         f"optim.ema_decay={sizes.ema_decay}",
-        f"model.init_from_target={sizes.init_from_target}", f"data.greedy_labels={str(sizes.greedy_labels).lower()}",
+        f"model.init_from_target={sizes.init_from_target}",
         *([f"model.target_layer_ids=[{','.join(map(str, sizes.target_layer_ids))}]"] if sizes.target_layer_ids else []),
         *([f"loss.gamma={sizes.gamma}"] if sizes.gamma is not None else []),
         f"loss.softmax_vocab={sizes.softmax_vocab}",
@@ -246,7 +241,7 @@ def features_args(
         "--dataset", str(data), "--out", str(out), *layers,
         "--max-length", str(sizes.max_length), "--token-budget", str(sizes.token_budget),
         "--dtype", dtype, "--target-dtype", dtype, "--device", device,
-        *(["--greedy"] if sizes.greedy_labels else []), *extra,
+        *extra,
     ]  # fmt: skip
 
 

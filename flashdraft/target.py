@@ -179,15 +179,6 @@ class TargetModel:
             feats = torch.cat(parts, dim=-1)  # [b, n, k·H] in listed order, never sorted
         return TargetOutput(out_logits, feats)
 
-    @torch.no_grad()
-    def greedy(self, final_hidden: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
-        """[..., H] final-normed hidden states (the last layer's feature) → [...] long: the target's greedy next
-        token at each position. The head runs `chunk` positions at a time: the [n, V] logits never exist whole."""
-        flat = final_hidden.reshape(-1, final_hidden.shape[-1])  # [n, H]
-        parts = [self.lm_head(flat[a : a + chunk]).argmax(dim=-1) for a in range(0, flat.shape[0], chunk)]
-        out = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long, device=flat.device)
-        return out.view(final_hidden.shape[:-1])
-
     def geometry(self) -> dict[str, Any]:
         cfg = self.config
         return {

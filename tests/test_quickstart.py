@@ -25,7 +25,7 @@ def test_train_overrides_make_a_valid_config(preset: str, tmp_path: Path) -> Non
     assert cfg.loss.gamma == sizes.gamma and cfg.model.init_from_target == sizes.init_from_target
     assert cfg.runtime.time_limit_min == sizes.train_minutes
     assert cfg.runtime.fit_steps_to_time_limit == (sizes.train_minutes is not None)  # `steps`: an upper bound
-    assert cfg.loss.softmax_vocab == sizes.softmax_vocab and cfg.data.greedy_labels == sizes.greedy_labels
+    assert cfg.loss.softmax_vocab == sizes.softmax_vocab
     assert cfg.model.target_layer_ids == sizes.target_layer_ids
     assert cfg.pipeline.mode == "offline" and cfg.pipeline.features_dir == str(tmp_path / "feats")
 

@@ -9,24 +9,18 @@
 #   base      none (log_softmax loss)
 #   fused     --fused-ce                     loss: two passes over bf16 logits, no [chunk, V] float32
 #   chunk8k   --fused-ce --chunk-tokens 8192 the same, half as many chunks
-#   flex64    --flex-block 64,64 --compile-mode max-autotune-no-cudagraphs   BlockMask tiles 64 × 64 (fewer
+#   flex128x64 --flex-block 128,64 --compile-mode max-autotune-no-cudagraphs   BlockMask tiles 128 × 64 (fewer
 #             partial tiles), matching kernel tiles. On an H200 (sm90, head dim 64) torch's only default
 #             backward config has 128-wide tiles, which must divide the mask's: without max-autotune's extra
-#             configs the backward has no choice (NoValidChoicesError, measured 2026-12-03). Long compile.
-#   flex128x64 --flex-block 128,64 (same caveat)
-#   cgraph    --compile-mode reduce-overhead the compiled drafter replayed as CUDA graphs
+#             configs the backward has no choice (NoValidChoicesError for 64 × 64, measured 2026-12-03). Long compile.
 #   all       fused + chunk8k
-#   allgc     all + --gc-every 50: automatic GC off, gc.collect(1) every 50 steps (tests whether slow steps are
-#             GC pauses; on the H200 they were not)
-#   allcg     all + cgraph
 #   all1t     all with OMP_NUM_THREADS=1 (one intra-op CPU thread, torchrun's default). On the H200 the slow
 #             steps' extra ~60 ms was host time in anchor sampling + build_blocks with torch's 16 threads
-#             (host_blocks_ms_per_step 40-180 ms vs 4.5); one thread removes it
+#             (host_blocks_ms_per_step 40-180 ms vs 4.5), not GC; one thread removes it
 #   all4t     all with OMP_NUM_THREADS=4
 #   allht     all + --host-threads 1 (runtime.host_threads's CUDA default: torch.set_num_threads(1) around the
 #             steps, as Trainer.run does; all1t's fix in the config instead of the environment)
-# Every variant runs with --gc-every 0 (Python's automatic GC) and --host-threads 0 (torch's default intra-op
-# threads) unless it sets its own.
+# Every variant runs with --host-threads 0 (torch's default intra-op threads) unless it sets its own.
 # PROFILE_VARIANT (default all) adds `--profile 2`: its top kernels land in the log.
 # Outputs: $OUT/mfu_ab.json (every variant's train_throughput JSON), $OUT/mfu_ab.log (every log),
 # $OUT/mfu_ab_table.txt ("slow steps": timed steps over 1.3 × the variant's median; "gc ms (max)": the host's
@@ -42,7 +36,7 @@ PY=${PY:-python3}
 OUT=${OUT:-/tmp/mfu_ab_out}
 mkdir -p "$OUT"
 TMPD=$(mktemp -d /tmp/mfu_ab.XXXXXX)  # per-variant JSON, log and exit code
-VARIANTS=${VARIANTS:-"base fused all allgc cgraph allcg flex64 chunk8k"}
+VARIANTS=${VARIANTS:-"base fused all allht chunk8k"}
 TOTAL_S=${TOTAL_S:-240}              # the whole A/B: a variant gets at most what is left of this ...
 VARIANT_TIMEOUT_S=${VARIANT_TIMEOUT_S:-150}  # ... and at most this (the first compiles cold)
 MIN_S=${MIN_S:-35}                  # no variant starts with less than this left (a warm-cache run needs ~30 s)
@@ -50,7 +44,7 @@ MIN_S=${MIN_S:-35}                  # no variant starts with less than this left
 if [ -n "${DRY:-}" ]; then
   # CPU: eager drafter and loss, dense mask (compile and flex apply on CUDA only): checks the plumbing, flags
   # and the table; 16 blocks a row keep the tiny steps short
-  BASE=(--device cpu --tiny --steps 2 --warmup-steps 1 --compile model,loss --blocks-per-row 16 --gc-every 0
+  BASE=(--device cpu --tiny --steps 2 --warmup-steps 1 --compile model,loss --blocks-per-row 16
         --host-threads 0)
 else
   # the bf16 HF copy stage.sh saves (~2 s a load); not env.sh's GGUF fallback (~20-40 s a load, per variant)
@@ -61,7 +55,7 @@ else
   fi
   # 15 warm-up steps: after 5 the same code measured 262-319 ms a drafter step on the H200, after 15 146 ms
   BASE=(--target "$T" --steps ${STEPS:-25} --warmup-steps ${WARMUP:-15} --compile model,loss --blocks-per-row 1024
-        --gc-every 0 --host-threads 0)  # a variant's own --gc-every / --host-threads comes later and wins
+        --host-threads 0)  # a variant's own --host-threads comes later and wins
 fi
 
 flags_of() {
@@ -69,13 +63,9 @@ flags_of() {
     base) echo "" ;;
     fused) echo "--fused-ce" ;;
     chunk8k) echo "--fused-ce --chunk-tokens 8192" ;;
-    flex64) echo "--flex-block 64,64 --compile-mode max-autotune-no-cudagraphs" ;;
     flex128x64) echo "--flex-block 128,64 --compile-mode max-autotune-no-cudagraphs" ;;
-    cgraph) echo "--compile-mode reduce-overhead" ;;
     all) echo "--fused-ce --chunk-tokens 8192" ;;
-    allgc) echo "--fused-ce --chunk-tokens 8192 --gc-every 50" ;;
     allht) echo "--fused-ce --chunk-tokens 8192 --host-threads 1" ;;
-    allcg) echo "--fused-ce --chunk-tokens 8192 --compile-mode reduce-overhead" ;;
     all1t|all4t) echo "--fused-ce --chunk-tokens 8192" ;;
     *) echo "unknown variant $1" >&2; return 1 ;;
   esac

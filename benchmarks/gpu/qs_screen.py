@@ -40,7 +40,7 @@ WORK = Path(os.environ.get("WORK", GPU_DIR / "work"))
 # The screened base recipe: the cpu-fp32 preset of 2026-12-03 (the bf16 preset's 4-layer b4 drafter in float32), pinned
 # here so a rerun reproduces RESULTS "Recipe screens" screen A after the preset itself changed (450 prompts, 2 layers, b3).
 SCREEN_BASE = dataclasses.replace(SIZES["cpu"], prompts=300, layers=4, block_size=4, steps=460, lr=4e-3, ema_decay=0.0,
-                                  softmax_vocab=0, greedy_labels=False, train_minutes=None, total_minutes=None,
+                                  softmax_vocab=0, train_minutes=None, total_minutes=None,
                                   eval_prompts=12, dtype="float32")  # fmt: skip
 
 # name -> (prompts, steps, extra overrides) on top of SCREEN_BASE
@@ -134,23 +134,12 @@ VARIANTS |= {
     ]
 }  # fmt: skip
 
-# Labels on the prompts too (data.greedy_labels: every document position labelled with the target's greedy next
-# token, the features dump runs the whole target) against the cpu preset of 2026-12-04 (lr 2.5e-3, EMA 0.998);
-# not run on a GPU: the CPU runs are RESULTS "Recipe screens" screen D
+# the cpu preset's recipe (lr 2.5e-3, EMA 0.998) at its 2-layer b3 size, two seeds
 PRESET = ["optim.ema_decay=0.998", "optim.lr=0.0025"]
-GREEDY = "data.greedy_labels=true"
 VARIANTS |= {
     f"d{n}-l2b3-{steps}{tag}": (n, steps, [*L2B3, f"checkpoint.every={steps}", *PRESET, *extra])
-    for n, steps, tag, extra in [
-        (1500, 2800, "-preset", []), (1500, 2800, "-preset-s1", ["runtime.seed=1"]),
-        (1500, 2800, "-greedy", [GREEDY]), (1500, 2800, "-greedy-s1", [GREEDY, "runtime.seed=1"]),
-        (1500, 3600, "-greedy", [GREEDY]), (1000, 2800, "-greedy", [GREEDY]), (2000, 3600, "-greedy", [GREEDY]),
-    ]
+    for n, steps, tag, extra in [(1500, 2800, "-preset", []), (1500, 2800, "-preset-s1", ["runtime.seed=1"])]
 }  # fmt: skip
-
-
-def greedy_labels(extra: list[str]) -> bool:
-    return GREEDY in extra
 
 
 def answer_tokens(extra: list[str]) -> int:
@@ -172,8 +161,8 @@ def feature_layers(extra: list[str]) -> list[int]:
     return list(SCREEN_BASE.target_layer_ids or [])
 
 
-def features_dir(work: Path, key: str, layers: list[int], greedy: bool = False) -> Path:
-    return work / f"f{key}-l{'-'.join(map(str, layers))}{'-g' if greedy else ''}"
+def features_dir(work: Path, key: str, layers: list[int]) -> Path:
+    return work / f"f{key}-l{'-'.join(map(str, layers))}"
 
 
 def sh(args: list[str], log: Path) -> int:
@@ -222,13 +211,12 @@ def main() -> None:
                                     "float32", batch_size=512, target=a.target,
                                     extra=["--engine", "native", "--contamination", a.contamination])  # fmt: skip
             sh([*fd, *regen], log)
-        for layers, greedy in sorted({(tuple(feature_layers(VARIANTS[v][2])), greedy_labels(VARIANTS[v][2]))
-                                      for v in names if (VARIANTS[v][0], answer_tokens(VARIANTS[v][2])) == (n, m)}):  # fmt: skip
-            feats = features_dir(a.work, key, list(layers), greedy)
+        for layers in sorted({tuple(feature_layers(VARIANTS[v][2])) for v in names
+                              if (VARIANTS[v][0], answer_tokens(VARIANTS[v][2])) == (n, m)}):  # fmt: skip
+            feats = features_dir(a.work, key, list(layers))
             if not (feats / "manifest.json").is_file():
                 sizes = dataclasses.replace(base, target_layer_ids=list(layers))
-                dump = features_args(sizes, data, feats, "cuda", "float32", target=a.target,
-                                     extra=["--yes", *(["--greedy"] if greedy else [])])  # fmt: skip
+                dump = features_args(sizes, data, feats, "cuda", "float32", target=a.target, extra=["--yes"])
                 sh([*fd, *dump], log)
     print(f"data + features: {time.time() - t0:.0f} s", flush=True)
 
@@ -250,7 +238,7 @@ def main() -> None:
             sizes = dataclasses.replace(base, steps=steps)
             run = a.work / "runs" / name
             key = data_name(n, answer_tokens(extra))
-            feats = features_dir(a.work, key, feature_layers(extra), greedy_labels(extra))
+            feats = features_dir(a.work, key, feature_layers(extra))
             args = [*fd, "train", str(CONFIG), *train_overrides(sizes, run, a.work / f"d{key}", feats, "cuda"),
                     *cpu_like, *[kv for kv in extra if not kv.startswith(REGEN_TOKENS)]]  # fmt: skip
             f = (a.out / f"train-{name}.log").open("w")

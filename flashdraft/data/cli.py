@@ -54,8 +54,7 @@ def register(app: typer.Typer) -> None:
         engine: str = typer.Option(
             "auto",
             help="'native' (continuous batching over a static KV cache; Llama/Qwen/Mistral), 'loop' (batched loop "
-            "over transformers' forward), 'hf' (transformers generate), or 'auto': native on CUDA where the "
-            "family allows, else loop (on CPU too: 86 tok/s vs hf's 21 on 2 cores, benchmarks/RESULTS.md)",
+            "over transformers' forward), or 'auto': native on CUDA where the family allows, else loop",
         ),
         loop_groups: int = typer.Option(
             0,
@@ -116,7 +115,7 @@ def register(app: typer.Typer) -> None:
             )
             params = GenerationParams(max_new_tokens, temperature, top_p, tpl.stop_ids)
             if engine == "auto":
-                from flashdraft.decode.native import native_support_error
+                from flashdraft.data.native import native_support_error
 
                 engine = "native" if t.device.type == "cuda" and not native_support_error(t) else "loop"
             groups = loop_groups or (5 if t.device.type == "cpu" else 1)

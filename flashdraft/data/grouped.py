@@ -10,7 +10,7 @@ while attention runs per batch over that batch's own cache, padding and mask, bu
 transformers functions as a lone batch's forward (`create_causal_mask`, the model's attention interface).
 Each batch is prefilled alone, exactly as `loop_generate` does, and joins when a slot frees. Rows keep
 their values bit for bit as long as the matmuls' row count stays in the sizes where a row's product does
-not depend on it (`ROW_QUANTUM`, flashdraft/data/generate.py): batches of other sizes run alone.
+not depend on it (`ROW_QUANTUM`, flashdraft/data/loop.py): batches of other sizes run alone.
 Llama-family decoder layers only (`grouped_support_error`); greedy only.
 """
 
@@ -21,15 +21,15 @@ import importlib
 import torch
 
 from flashdraft.cache import cache_keyword
-from flashdraft.data.generate import (
+from flashdraft.data.loop import (
     Generation,
     GenerationParams,
-    _Batch,
-    _compactable,
-    _prefill,
-    _record,
+    LoopBatch,
+    compactable,
     cut_at_stop,
     loop_generate,
+    prefill_batch,
+    record_token,
 )
 from flashdraft.target import TargetModel
 
@@ -48,7 +48,7 @@ def grouped_support_error(target: TargetModel, params: GenerationParams) -> str 
 
 
 @torch.inference_mode()
-def grouped_step(target: TargetModel, batches: list[_Batch]) -> list[torch.Tensor]:
+def grouped_step(target: TargetModel, batches: list[LoopBatch]) -> list[torch.Tensor]:
     """One decode token for every row of `batches` in one pass over the layers; the next ids [m] per batch.
 
     Per row, the same operations on the same values as `TargetModel.forward(..., logits="last")` on its
@@ -105,9 +105,9 @@ def grouped_generate(
     stop = torch.tensor(params.stop_ids or [-1], device=target.device)
     out: list[list[Generation] | None] = [None] * len(batches)
     waiting = list(range(len(batches)))
-    active: list[_Batch] = []
+    active: list[LoopBatch] = []
 
-    def finish(g: _Batch) -> None:
+    def finish(g: LoopBatch) -> None:
         out[g.k] = [cut_at_stop(r, params.stop_ids) for r in g.tokens[:, : g.n].tolist()]
         if on_batch is not None:
             on_batch(g.k, out[g.k])
@@ -116,13 +116,13 @@ def grouped_generate(
         while waiting or active:
             while waiting and len(active) < groups:
                 k = waiting.pop(0)
-                if not _compactable(len(batches[k])):  # its matmul row count must not change: alone
+                if not compactable(len(batches[k])):  # its matmul row count must not change: alone
                     out[k] = loop_generate(target, batches[k], params, seed=0, sync_every=sync_every)
                     if on_batch is not None:
                         on_batch(k, out[k])
                     continue
-                g = _prefill(target, k, batches[k], params)
-                _record(g, stop, N, sync_every)
+                g = prefill_batch(target, k, batches[k], params)
+                record_token(g, stop, N, sync_every)
                 if g.n:
                     finish(g)
                 else:
@@ -131,7 +131,7 @@ def grouped_generate(
                 continue
             for g, nxt in zip(active, grouped_step(target, active), strict=True):
                 g.nxt = nxt
-                _record(g, stop, N, sync_every)
+                record_token(g, stop, N, sync_every)
             for g in [g for g in active if g.n]:
                 finish(g)
                 active.remove(g)

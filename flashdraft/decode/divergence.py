@@ -7,15 +7,23 @@ margin means rounding; a large one means a bug).
 
     d = find_divergence(target, prompt_ids, ar.tokens, spec.tokens)
     if d: print(d.describe())
+    d = find_divergence(target, prompt_ids, ar, out, next_logits=engine_next_logits(engine))  # the engine's forward
+
+The margin is read from the transformers forward by default; `next_logits` takes another forward of the same
+target (the fast engine's static-cache one, whose kernels produced the tokens: benchmarks/decode_speed.py).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from flashdraft.target import TargetModel
+
+NextLogits = Callable[[list[int]], torch.Tensor]  # ids → [V] logits predicting the token after them
 
 
 @dataclass
@@ -32,17 +40,39 @@ class Divergence:
         )
 
 
+def target_next_logits(target: TargetModel) -> NextLogits:
+    """The transformers forward's last logits [V] after `ids`."""
+
+    def run(ids: list[int]) -> torch.Tensor:
+        out = target.forward(torch.tensor([ids], device=target.device), logits="last")  # [1, n, V]
+        assert out.logits is not None
+        return out.logits[0, -1]
+
+    return run
+
+
+def engine_next_logits(engine: Any) -> NextLogits:
+    """The fast engine's static-cache target forward (`FastEngine.native`): last logits [V] after `ids`."""
+
+    def run(ids: list[int]) -> torch.Tensor:
+        pos = torch.arange(len(ids), device=engine.device)  # [n]
+        x = torch.tensor(ids, device=engine.device)
+        out = engine.native.forward(x, pos, pos, engine.kv_idx[None] <= pos[:, None])  # logits [n, V]
+        return out.logits[-1]
+
+    return run
+
+
 @torch.no_grad()
 def find_divergence(
-    target: TargetModel, prompt: list[int] | torch.Tensor, reference: list[int], tokens: list[int]
-) -> Divergence | None:
+    target: TargetModel, prompt: list[int] | torch.Tensor, reference: list[int], tokens: list[int], *,
+    next_logits: NextLogits | None = None,
+) -> Divergence | None:  # fmt: skip
     """None when `tokens` agrees with `reference` on their common length."""
     pos = next((i for i, (a, b) in enumerate(zip(reference, tokens, strict=False)) if a != b), None)
     if pos is None:
         return None
     prompt_ids = torch.as_tensor(prompt, dtype=torch.long).flatten().tolist()
-    ids = torch.tensor([prompt_ids + list(reference[:pos])], device=target.device)  # [1, n + pos]
-    out = target.forward(ids, logits="last")
-    assert out.logits is not None
-    top2 = out.logits[0, -1].float().topk(2).values  # [2]
+    logits = (next_logits or target_next_logits(target))(prompt_ids + list(reference[:pos]))  # [V]
+    top2 = logits.float().topk(2).values  # [2]
     return Divergence(pos, int(reference[pos]), int(tokens[pos]), float(top2[0] - top2[1]))

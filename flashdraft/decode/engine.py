@@ -34,7 +34,15 @@ from typing import Any
 
 import torch
 
-from flashdraft.decode.generate import METHODS, GenerationResult, Timings, _prepare_ids, _truncate
+from flashdraft.decode.generate import (
+    GenerationResult,
+    Timings,
+    check_request,
+    deliver,
+    prepare_ids,
+    seed_generator,
+    truncate_round,
+)
 from flashdraft.decode.native import NativeDrafter, NativeTarget, native_support_error
 from flashdraft.decode.sampling import SamplingParams, choose_tokens
 from flashdraft.drafter import DFlashDrafter
@@ -510,18 +518,11 @@ class FastEngine:
     ) -> GenerationResult:
         """Same contract as `flashdraft.decode.generate.generate`; `profile` fills `self.last_profile`."""
         t_start = time.perf_counter()
-        if method not in METHODS:
-            raise ValueError(f"unknown method {method!r}: use one of {', '.join(METHODS)}")
-        if max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens {max_new_tokens} must be >= 0")
-        if method != "ar" and self.drafter is None:
-            raise ValueError(f"method {method!r} needs a drafter: build FastEngine(target, drafter)")
-        if method == "ddtree" and budget is None:
-            raise ValueError("method 'ddtree' needs budget=N (tree nodes excluding the root), e.g. budget=8")
+        check_request(method, budget, max_new_tokens, self.drafter is not None)
         if method == "ddtree" and budget == 0:
             raise ValueError("budget 0 is a root-only tree: use method='ar' on the fast engine")
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
-        ids = _prepare_ids(input_ids, self.device)[0]  # [n]
+        ids = prepare_ids(input_ids, self.device)[0]  # [n]
         n = ids.shape[0]
         if n + max_new_tokens > self.max_len:
             raise ValueError(
@@ -530,10 +531,7 @@ class FastEngine:
             )
         stop = {int(t) for t in (stop_token_ids or [])}
         if not params.greedy:
-            if seed is None:
-                self.generator.seed()
-            else:
-                self.generator.manual_seed(seed)
+            seed_generator(self.generator, seed)
         timings = Timings()
         result = GenerationResult(
             [], [], n, 0, "length", timings, method, budget if method == "ddtree" else None
@@ -561,18 +559,7 @@ class FastEngine:
         first_tok = int(first.item())  # host read
         timings.prefill_s = time.perf_counter() - t0
 
-        def commit(new: list[int], reason: str | None) -> bool:
-            result.tokens.extend(new)
-            answer = on_tokens(new) if on_tokens is not None else None
-            if reason is not None:
-                result.stop_reason = reason
-                return True
-            if answer is False:
-                result.stop_reason = "cancelled"
-                return True
-            return False
-
-        done = commit(*_truncate([first_tok], max_new_tokens, stop))
+        done = deliver(result, *truncate_round([first_tok], max_new_tokens, stop), on_tokens)
         prof = RoundProfile()
         timed = profile and self.device.type == "cuda"
         t_decode = time.perf_counter()
@@ -590,10 +577,10 @@ class FastEngine:
                     fn()
                     marks.append(time.perf_counter())
             t_read = time.perf_counter()
-            new, reason = _truncate(self._read_round(), remaining, stop)
+            new, reason = truncate_round(self._read_round(), remaining, stop)
             result.rounds += 1
             result.acceptance_lengths.append(len(new))
-            done = commit(new, reason)
+            done = deliver(result, new, reason, on_tokens)
             if profile:
                 host_ms = (time.perf_counter() - t_read) * 1e3
                 if timed:

@@ -96,7 +96,7 @@ def _sync(device: torch.device, enabled: bool) -> None:
         torch.cuda.synchronize(device)
 
 
-def _prepare_ids(input_ids: torch.Tensor | list[int], device: torch.device) -> torch.Tensor:
+def prepare_ids(input_ids: torch.Tensor | list[int], device: torch.device) -> torch.Tensor:
     ids = torch.as_tensor(input_ids, dtype=torch.long)
     if ids.dim() == 2:
         if ids.shape[0] != 1:
@@ -109,17 +109,55 @@ def _prepare_ids(input_ids: torch.Tensor | list[int], device: torch.device) -> t
     return ids.to(device)[None]  # [1, n]
 
 
-def _validate(
-    target: TargetModel, drafter: DFlashDrafter | None, method: str, budget: int | None, max_new_tokens: int
-) -> None:
+def check_request(method: str, budget: int | None, max_new_tokens: int, has_drafter: bool) -> None:
+    """The checks every decoder makes of a request (this module's `generate` and `FastEngine.generate`)."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}: use one of {', '.join(METHODS)}")
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens {max_new_tokens} must be >= 0")
-    if method == "ar":
-        return
-    if drafter is None:
+    if method != "ar" and not has_drafter:
         raise ValueError(f"method {method!r} needs a drafter (pass drafter=..., or use method='ar')")
+    if method == "ddtree":
+        if budget is None:
+            raise ValueError("method 'ddtree' needs budget=N (tree nodes excluding the root), e.g. budget=8")
+        if budget < 0:
+            raise ValueError(f"budget {budget} must be >= 0")
+
+
+def seed_generator(generator: torch.Generator, seed: int | None) -> None:
+    """A sampled request's generator: `seed` makes the output reproducible, None draws a fresh seed."""
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(seed)
+
+
+def deliver(
+    result: GenerationResult,
+    new: list[int],
+    reason: str | None,
+    on_tokens: Callable[[list[int]], bool | None] | None,
+) -> bool:
+    """Record a round's tokens in `result` and hand them to `on_tokens`; True when generation must stop: a stop
+    token or the length limit (`reason`; those last tokens are delivered whatever the callback answers), or the
+    callback returned False ("cancelled")."""
+    result.tokens.extend(new)
+    answer = on_tokens(new) if on_tokens is not None else None
+    if reason is not None:
+        result.stop_reason = reason
+        return True
+    if answer is False:
+        result.stop_reason = "cancelled"
+        return True
+    return False
+
+
+def _validate(
+    target: TargetModel, drafter: DFlashDrafter | None, method: str, budget: int | None, max_new_tokens: int
+) -> None:
+    check_request(method, budget, max_new_tokens, drafter is not None)
+    if method == "ar" or drafter is None:
+        return
     check_pair(target, drafter.config)
     try:
         d_device = next(drafter.parameters()).device
@@ -127,19 +165,14 @@ def _validate(
         d_device = target.device
     if d_device != target.device:
         raise ValueError(f"drafter is on {d_device}, target on {target.device}: move the drafter with .to()")
-    if method == "ddtree":
-        if budget is None:
-            raise ValueError("method 'ddtree' needs budget=N (tree nodes excluding the root), e.g. budget=8")
-        if budget < 0:
-            raise ValueError(f"budget {budget} must be >= 0")
-        if target.attn_implementation in ("flash_attention_2", "flash_attention_3"):
-            raise ValueError(
-                f"method 'ddtree' needs a tree attention mask, which {target.attn_implementation} cannot take: "
-                "load the target with attn_implementation='sdpa' or 'eager' (or use method='chain')"
-            )
+    if method == "ddtree" and target.attn_implementation in ("flash_attention_2", "flash_attention_3"):
+        raise ValueError(
+            f"method 'ddtree' needs a tree attention mask, which {target.attn_implementation} cannot take: "
+            "load the target with attn_implementation='sdpa' or 'eager' (or use method='chain')"
+        )
 
 
-def _truncate(new: list[int], remaining: int, stop: set[int]) -> tuple[list[int], str | None]:
+def truncate_round(new: list[int], remaining: int, stop: set[int]) -> tuple[list[int], str | None]:
     """Cut a round's tokens at the first stop token (kept) and at the length limit."""
     for i, t in enumerate(new):
         if t in stop and i < remaining:
@@ -183,16 +216,13 @@ def generate(
     _validate(target, drafter, method, budget, max_new_tokens)
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
     device = target.device
-    ids = _prepare_ids(input_ids, device)  # [1, n]
+    ids = prepare_ids(input_ids, device)  # [1, n]
     prompt_len = ids.shape[1]
     stop = {int(t) for t in (stop_token_ids or [])}
     generator: torch.Generator | None = None
     if not params.greedy:
         generator = torch.Generator(device=device)
-        if seed is None:
-            generator.seed()
-        else:
-            generator.manual_seed(seed)
+        seed_generator(generator, seed)
     timings = Timings()
     result = GenerationResult(
         [], [], prompt_len, 0, "length", timings, method, budget if method == "ddtree" else None
@@ -226,19 +256,11 @@ def generate(
 
     def commit(new: list[int], reason: str | None) -> bool:
         """Record a round's tokens and tell the caller; True when generation must stop."""
-        result.tokens.extend(new)
-        if _round_callback is not None:
-            _round_callback(_round_info(result, state, len(new) if result.rounds else 0))
-        answer = on_tokens(new) if on_tokens is not None else None
-        if reason is not None:  # the last tokens are always delivered, whatever the callback answers
-            result.stop_reason = reason
-            return True
-        if answer is False:
-            result.stop_reason = "cancelled"
-            return True
-        return False
+        if _round_callback is not None:  # counts this round's tokens as committed
+            _round_callback(_round_info(result, state, len(new) if result.rounds else 0, len(new)))
+        return deliver(result, new, reason, on_tokens)
 
-    done = commit(*_truncate([first_tok], max_new_tokens, stop))
+    done = commit(*truncate_round([first_tok], max_new_tokens, stop))
 
     t_decode = time.perf_counter()
     while not done:
@@ -258,7 +280,7 @@ def generate(
                     target, layer_ids, state, draft_logits, budget, params, generator, remaining, stop, timings,
                     sync_timings,
                 )  # fmt: skip
-        new, reason = _truncate(new, remaining, stop)
+        new, reason = truncate_round(new, remaining, stop)
         result.rounds += 1
         result.acceptance_lengths.append(len(new))
         done = commit(new, reason)
@@ -267,10 +289,10 @@ def generate(
     return result
 
 
-def _round_info(result: GenerationResult, state: _State, accepted: int) -> RoundInfo:
+def _round_info(result: GenerationResult, state: _State, accepted: int, committing: int) -> RoundInfo:
     return RoundInfo(
         round=result.rounds,
-        committed=len(result.tokens),
+        committed=len(result.tokens) + committing,
         prompt_tokens=result.prompt_tokens,
         accepted=accepted,
         target_cache_length=kv.length(state.target_cache),
@@ -350,7 +372,7 @@ def _chain_verify(
     host = torch.cat([accepted.view(1), drafts, choice]).tolist()  # host read, once per round
     a, nd = host[0], drafts.shape[0]
     d_list, c_list = host[1 : 1 + nd], host[1 + nd :]
-    new, _ = _truncate(d_list[:a] + [c_list[a]], remaining, stop)
+    new, _ = truncate_round(d_list[:a] + [c_list[a]], remaining, stop)
     m = len(new)  # KV/features kept: the old bonus and the first m − 1 committed drafts
     kv.crop(state.target_cache, p + m)
     state.pending = out.features[:, :m]  # [1, m, k·H]
@@ -395,7 +417,7 @@ def _tree_verify(
     path = walk_tree(tree, choice_list)
     # the walk moves to the child whose token is the target's choice, so the committed tokens are
     # the target's choices along the path (accepted nodes, then the next bonus)
-    new, _ = _truncate([choice_list[i] for i in path], remaining, stop)
+    new, _ = truncate_round([choice_list[i] for i in path], remaining, stop)
     m = len(new)
     keep = torch.tensor(path[:m], dtype=torch.long, device=device)  # the old bonus + m − 1 accepted nodes
     kv.keep_positions(state.target_cache, p, keep)

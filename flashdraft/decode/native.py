@@ -13,13 +13,14 @@ is copied, so a checkpoint loaded once serves the reference decoder and this eng
     dstep = NativeDrafter(drafter, target, capacity=2048 + 64)
     logits = dstep.forward(ctx_feats, ctx_pos, block_ids, block_pos, allowed)   # [B, V]
 
-Used by `flashdraft/decode/engine.py`; `tests/decode/test_engine.py` checks it against HF in float64.
+Used by `flashdraft/decode/engine.py`; `tests/decode/test_engine.py` checks it against HF in float64. The
+regeneration engine's batched forward (flashdraft/data/native.py) shares the public layer primitives below
+(`rope_tables`, `rms_norm`, `additive_mask`, `target_qkv`, `HeadFP32`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -94,7 +95,7 @@ class NativeOutput:
 # rotation as a roll, and the mask converted once per forward instead of inside SDPA in every layer.
 
 
-def _rope_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(cos, sin with its first half negated): rotate_half(x) · sin == roll(x, hd/2) · sin_signed."""
     half = sin.shape[-1] // 2
     return cos, torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
@@ -113,7 +114,7 @@ def _rope_qk(
     return qk[:, : q.shape[1]], qk[:, q.shape[1] :]
 
 
-def _rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+def rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """`norm(x)` for the RMSNorms of the native families and the drafter (statistics in float32, the weight
     applied in the input dtype, as HF's LlamaRMSNorm), through F.rms_norm: PyTorch's fused kernel on CUDA
     (`_fused_rms_norm`) instead of five elementwise ones; on CPU the same decomposition as HF's."""
@@ -123,28 +124,28 @@ def _rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return norm.weight * F.rms_norm(x.float(), x.shape[-1:], eps=eps).to(x.dtype)
 
 
-def _additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """bool mask (True = attend) → 0 / −inf in `dtype`, the form SDPA converts a boolean mask to."""
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
         ~allowed, float("-inf")
     )
 
 
-def _target_qkv(
+def target_qkv(
     layer: torch.nn.Module, h: torch.Tensor, n_heads: int, n_kv: int, head_dim: int, cos: torch.Tensor,
     sin: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """One HF decoder layer's attention inputs: h [b, q, H] → q [b, heads, q, hd], k and v [b, kv, q, hd],
-    RoPE applied (cos/sin_signed [b, 1, q, hd], `_rope_tables`); Qwen3's per-head QK-norm before RoPE,
+    RoPE applied (cos/sin_signed [b, 1, q, hd], `rope_tables`); Qwen3's per-head QK-norm before RoPE,
     biases inside the projections."""
     attn = layer.self_attn
     b, q_len, _ = h.shape
-    x = _rms_norm(layer.input_layernorm, h)
+    x = rms_norm(layer.input_layernorm, h)
     q = attn.q_proj(x).view(b, q_len, n_heads, head_dim)  # [b, q, heads, hd]
     k = attn.k_proj(x).view(b, q_len, n_kv, head_dim)
     v = attn.v_proj(x).view(b, q_len, n_kv, head_dim)
     if hasattr(attn, "q_norm"):  # Qwen3 QK-norm, per head, before RoPE
-        q, k = _rms_norm(attn.q_norm, q), _rms_norm(attn.k_norm, k)
+        q, k = rms_norm(attn.q_norm, q), rms_norm(attn.k_norm, k)
     q, k = _rope_qk(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # [b, heads|kv, q, hd]
     return q, k, v.transpose(1, 2)
 
@@ -152,7 +153,7 @@ def _target_qkv(
 def _attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """q [1, heads, q, hd] over the whole cache k/v [1, kv, S, hd]; mask [q, S] additive (`_additive_mask`)."""
+    """q [1, heads, q, hd] over the whole cache k/v [1, kv, S, hd]; mask [q, S] additive (`additive_mask`)."""
     rep = q.shape[1] // k.shape[1]
     if rep > 1:
         # expand-then-reshape makes one copy of the cache per layer; it keeps SDPA on its fused
@@ -194,14 +195,14 @@ class NativeTarget:
     ) -> NativeOutput:
         h = self.inner.embed_tokens(input_ids[None])  # [1, q, H]
         cos, sin = self.inner.rotary_emb(h, positions[None])  # [1, q, hd] each, computed as HF does
-        cos, sin = _rope_tables(cos[:, None], sin[:, None])  # [1, 1, q, hd]
-        mask = _additive_mask(allowed, h.dtype)  # [q, capacity], once for every layer
+        cos, sin = rope_tables(cos[:, None], sin[:, None])  # [1, 1, q, hd]
+        mask = additive_mask(allowed, h.dtype)  # [q, capacity], once for every layer
         q_len = input_ids.shape[0]
         wanted = set(layer_ids or [])
         captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
-            q, k, v = _target_qkv(
+            q, k, v = target_qkv(
                 layer, h, self.n_heads, self.n_kv, self.head_dim, cos, sin
             )  # [1, heads|kv, q, hd]
             self.cache[i, 0].index_copy_(1, write_rows, k[0])  # cache[i, 0]: [kv, S, hd]
@@ -209,147 +210,19 @@ class NativeTarget:
             o = _attend(q, self.cache[i, 0][None], self.cache[i, 1][None], mask, attn.scaling)
             o = o.transpose(1, 2).reshape(1, q_len, self.n_heads * self.head_dim)  # [1, q, heads·hd]
             h = h + attn.o_proj(o)
-            h = h + layer.mlp(_rms_norm(layer.post_attention_layernorm, h))
+            h = h + layer.mlp(rms_norm(layer.post_attention_layernorm, h))
             if i in wanted:
                 captured[i] = h
         feats = None
         if layer_ids:
             last = len(self.layers) - 1
             # HF's hidden_states[-1] is final-normed; TargetModel.forward matches that, so do we
-            parts = [_rms_norm(self.inner.norm, captured[i]) if i == last else captured[i] for i in layer_ids]
+            parts = [rms_norm(self.inner.norm, captured[i]) if i == last else captured[i] for i in layer_ids]
             feats = torch.cat(parts, dim=-1)[0]  # [q, k·H] in listed order
         out_logits = (
-            self.head(_rms_norm(self.inner.norm, h))[0] if logits else None
+            self.head(rms_norm(self.inner.norm, h))[0] if logits else None
         )  # [q, V], float32 at least
         return NativeOutput(out_logits, feats)
-
-
-class BatchedNativeTarget:
-    """A static-cache forward for many independent sequences at once (regeneration, continuous batching).
-
-    Row r of the cache holds one sequence from column 0: `lengths[r]` tokens so far, the next token
-    goes to column `lengths[r]` at RoPE position `lengths[r]`. A finished row is refilled with a new
-    prompt by `prefill(slots, ...)`, which overwrites its columns from 0; stale columns past a row's
-    length are never attended (the mask is `column <= length`). Nothing is allocated per step, so
-    the cache never grows or copies the way a transformers DynamicCache does (torch.cat per step).
-
-        net = BatchedNativeTarget(target, rows=512, capacity=longest_prompt + max_new)
-        logits = net.prefill(slots, ids_right_padded, prompt_lengths)     # [n, V] at each last prompt token
-        logits = net.step(next_ids, lengths, span)                        # [rows, V]
-    """
-
-    def __init__(self, target: TargetModel, rows: int, capacity: int) -> None:
-        why = native_support_error(target)
-        if why is not None:
-            raise ValueError(f"native target forward: {why}")
-        self.target = target
-        self.n_heads, self.n_kv, self.head_dim = attention_geometry(target)
-        self.rows, self.capacity = rows, capacity
-        self.inner = target.model.model
-        self.layers = list(target.layers)
-        self.head = HeadFP32(target.lm_head)
-        # [layers, 2 (k, v), rows, kv_heads, capacity, head_dim]; zeros so unwritten columns are finite
-        self.cache = torch.zeros(
-            len(self.layers), 2, rows, self.n_kv, capacity, self.head_dim, dtype=target.dtype, device=target.device
-        )  # fmt: skip
-        # step_graphed: static inputs, and one CUDA graph (with its static output) per span bucket
-        self._ids = torch.zeros(rows, dtype=torch.long, device=target.device)
-        self._len = torch.zeros(rows, dtype=torch.long, device=target.device)
-        self._graphs: dict[int, tuple[Any, torch.Tensor]] = {}
-        self._pool: Any = None  # one memory pool shared by every span's graph, made at the first capture
-
-    def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self.head(_rms_norm(self.inner.norm, h))  # [n, V], float32 at least
-
-    def step_graphed(
-        self, input_ids: torch.Tensor, lengths: torch.Tensor, span: int, bucket: int = 256
-    ) -> torch.Tensor:
-        """`step` replayed from a CUDA graph (one per span rounded up to `bucket` columns; the mask makes
-        the extra columns inert). Eager, a step is ~1,400 small kernels whose host-side dispatch cost
-        ~100 ms on the H200 machine whatever the batch (benchmarks/RESULTS.md); a replay launches them
-        at once. The returned logits live in the graph's static output: read them before the next call."""
-        if input_ids.device.type != "cuda":
-            return self.step(input_ids, lengths, span)
-        span = min(self.capacity, -(-span // bucket) * bucket)
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        self._ids.copy_(input_ids)
-        self._len.copy_(lengths)
-        if span not in self._graphs:
-            # warm-up on a side stream (lazy cuBLAS / kernel init), then capture. Both run the step on the
-            # current inputs: its cache writes are the ones the replay below makes anyway
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    self.step(self._ids, self._len, span)
-            torch.cuda.current_stream().wait_stream(side)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self._pool):
-                out = self.step(self._ids, self._len, span)
-            self._graphs[span] = (g, out)
-        g, out = self._graphs[span]
-        g.replay()
-        return out
-
-    @torch.no_grad()
-    def prefill(self, slots: torch.Tensor, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        """Write prompts into cache rows `slots` [n]; input_ids [n, P] right-padded, lengths [n] (>= 1).
-        Returns the logits after each prompt's last token, [n, V]. Padding columns get K/V that no
-        query ever attends: causal attention keeps them after every real token of their row."""
-        n, p_len = input_ids.shape
-        h = self.inner.embed_tokens(input_ids)  # [n, P, H]
-        pos = torch.arange(p_len, device=h.device)[None].expand(n, p_len)  # [n, P]
-        cos, sin = self.inner.rotary_emb(h, pos)  # [n, P, hd]
-        cos, sin = _rope_tables(cos[:, None], sin[:, None])  # [n, 1, P, hd]
-        rep = self.n_heads // self.n_kv
-        for i, layer in enumerate(self.layers):
-            attn = layer.self_attn
-            q, k, v = _target_qkv(
-                layer, h, self.n_heads, self.n_kv, self.head_dim, cos, sin
-            )  # [n, heads|kv, P, hd]
-            self.cache[i, 0, slots, :, :p_len] = k
-            self.cache[i, 1, slots, :, :p_len] = v
-            if rep > 1:  # head h reads kv head h // rep
-                k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)  # [n, heads, P, hd]
-            o = F.scaled_dot_product_attention(
-                q, k, v, is_causal=True, scale=attn.scaling
-            )  # [n, heads, P, hd]
-            h = h + attn.o_proj(o.transpose(1, 2).reshape(n, p_len, self.n_heads * self.head_dim))
-            h = h + layer.mlp(_rms_norm(layer.post_attention_layernorm, h))
-        last = h[torch.arange(n, device=h.device), lengths - 1]  # [n, H] the last real token of each row
-        return self._logits(last)
-
-    @torch.no_grad()
-    def step(self, input_ids: torch.Tensor, lengths: torch.Tensor, span: int) -> torch.Tensor:
-        """One token for every row: input_ids [rows] go to column / position `lengths` [rows];
-        `span` (host int) bounds max(lengths) + 1, so attention reads columns [0, span) only.
-        Returns [rows, V]."""
-        rows = self.rows
-        ar = torch.arange(rows, device=input_ids.device)
-        h = self.inner.embed_tokens(input_ids[:, None])  # [rows, 1, H]
-        cos, sin = self.inner.rotary_emb(h, lengths[:, None])  # [rows, 1, hd]
-        cos, sin = _rope_tables(cos[:, None], sin[:, None])  # [rows, 1, 1, hd]
-        allowed = torch.arange(span, device=h.device)[None] <= lengths[:, None]  # [rows, span]
-        mask = _additive_mask(allowed, h.dtype)[:, None, None]  # [rows, 1, 1, span]
-        rep = self.n_heads // self.n_kv
-        for i, layer in enumerate(self.layers):
-            attn = layer.self_attn
-            q, k, v = _target_qkv(
-                layer, h, self.n_heads, self.n_kv, self.head_dim, cos, sin
-            )  # [rows, heads|kv, 1, hd]
-            kc, vc = self.cache[i, 0], self.cache[i, 1]  # [rows, kv, S, hd] views
-            kc[ar, :, lengths] = k[:, :, 0]  # advanced indices around a slice: [rows, kv, hd]
-            vc[ar, :, lengths] = v[:, :, 0]
-            # the rep query heads of one kv head ride in the query-length slot: [rows, kv, rep, hd] over
-            # [rows, kv, span, hd] keeps SDPA on a fused kernel without copying the cache per head
-            o = F.scaled_dot_product_attention(
-                q.reshape(rows, self.n_kv, rep, self.head_dim), kc[:, :, :span], vc[:, :, :span],
-                attn_mask=mask, scale=attn.scaling,
-            )  # fmt: skip
-            h = h + attn.o_proj(o.reshape(rows, 1, self.n_heads * self.head_dim))
-            h = h + layer.mlp(_rms_norm(layer.post_attention_layernorm, h))
-        return self._logits(h[:, 0])
 
 
 class NativeDrafter:
@@ -419,7 +292,7 @@ class NativeDrafter:
         # each layer's k_norm (drafter.RMSNorm: statistics in float32, weight in the input dtype)
         k = self.k_norm_weight * F.rms_norm(k.float(), k.shape[-1:], eps=self.k_norm_eps).to(k.dtype)
         cos, sin = d.rope(positions[None], ctx.dtype)  # [1, c, hd]
-        cos, sin = _rope_tables(cos[0, :, None, None], sin[0, :, None, None])  # [c, 1, 1, hd]
+        cos, sin = rope_tables(cos[0, :, None, None], sin[0, :, None, None])  # [c, 1, 1, hd]
         k = _rope(k, cos, sin)
         # [L, 2, kv, c, hd] into the cache rows `positions` of every layer at once
         self.cache.index_copy_(3, positions, torch.stack([k, v], dim=2).permute(1, 2, 3, 0, 4))
@@ -436,17 +309,15 @@ class NativeDrafter:
         h = self.embed(block_ids[None]).to(d.fc.weight.dtype)  # [1, B, H]
         b_len = block_ids.shape[0]
         cos, sin = d.rope(positions[None], h.dtype)
-        cos, sin = _rope_tables(cos[:, None], sin[:, None])  # [1, 1, B, hd]
-        mask = _additive_mask(allowed, h.dtype)  # [B, capacity], once for every layer
+        cos, sin = rope_tables(cos[:, None], sin[:, None])  # [1, 1, B, hd]
+        mask = additive_mask(allowed, h.dtype)  # [B, capacity], once for every layer
         for i, layer in enumerate(d.layers):
             attn = layer.self_attn
-            x = _rms_norm(layer.input_layernorm, h)
-            q = _rms_norm(attn.q_norm, attn.q_proj(x).view(1, b_len, self.n_heads, self.head_dim)).transpose(
+            x = rms_norm(layer.input_layernorm, h)
+            q = rms_norm(attn.q_norm, attn.q_proj(x).view(1, b_len, self.n_heads, self.head_dim)).transpose(
                 1, 2
             )
-            k = _rms_norm(attn.k_norm, attn.k_proj(x).view(1, b_len, self.n_kv, self.head_dim)).transpose(
-                1, 2
-            )
+            k = rms_norm(attn.k_norm, attn.k_proj(x).view(1, b_len, self.n_kv, self.head_dim)).transpose(1, 2)
             v = attn.v_proj(x).view(1, b_len, self.n_kv, self.head_dim).transpose(1, 2)  # [1, kv, B, hd]
             q, k = _rope_qk(q, k, cos, sin)
             self.cache[i, 0].index_copy_(1, positions, k[0])
@@ -454,7 +325,7 @@ class NativeDrafter:
             o = _attend(q, self.cache[i, 0][None], self.cache[i, 1][None], mask, 1.0 / self.head_dim**0.5)
             o = o.transpose(1, 2).reshape(1, b_len, self.n_heads * self.head_dim)  # [1, B, heads·hd]
             h = h + attn.o_proj(o)
-            h = h + layer.mlp(_rms_norm(layer.post_attention_layernorm, h))
-        return self.lm_head(_rms_norm(d.norm, h).to(self.lm_head.weight.dtype))[
+            h = h + layer.mlp(rms_norm(layer.post_attention_layernorm, h))
+        return self.lm_head(rms_norm(d.norm, h).to(self.lm_head.weight.dtype))[
             0
         ]  # [B, V] in the target's dtype

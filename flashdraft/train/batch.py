@@ -2,8 +2,7 @@
 
 The target sees each packed document alone (block-diagonal causal mask, positions restarting
 at 0 per document), so the features of a packed document equal those of the document run by
-itself. No noise is ever added here: these features are the target's, and noise belongs to
-the drafter's copy only (see `flashdraft.train.loss.add_noise`).
+itself.
 
     plan = plan_micro_batches([len(s.input_ids) for s in samples], max_length=3072, token_budget=16384)
     rows = pack_rows([samples[i] for i in plan[0].flat()], ...)       # or pack_plan(samples, plan[0])
@@ -59,19 +58,10 @@ class FeatureBatch:
     position_ids: torch.Tensor  # [R, S] long, restarting at 0 per document
     doc_ids: torch.Tensor  # [R, S] long, -1 = padding
     sample_ids: list[str] = field(default_factory=list)
-    # [R, S] long: the target's greedy next token after each position, from the same target pass (CPU), or
-    # None. Present only with data.greedy_labels: then every document position is labelled (label_mask)
-    greedy: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
         return int((self.doc_ids >= 0).sum())
-
-    @property
-    def label_mask(self) -> torch.Tensor:
-        """[R, S] bool: the positions whose tokens slots are trained on — the response (`loss_mask`), or with
-        greedy labels every document position (the prompt's too: its labels are the target's own choices)."""
-        return self.loss_mask if self.greedy is None else self.doc_ids >= 0
 
 
 # ----------------------------------------------------------------------------- packing
@@ -176,7 +166,6 @@ def pad_feature_batch(batch: FeatureBatch, rows: int, length: int) -> FeatureBat
         position_ids=pad(batch.position_ids, 0),
         doc_ids=pad(batch.doc_ids, -1),
         sample_ids=batch.sample_ids,
-        greedy=None if batch.greedy is None else pad(batch.greedy, 0),
     )
 
 
@@ -201,34 +190,25 @@ def document_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def compute_features(target, rows: TokenBatch, layer_ids: list[int], greedy: bool = False) -> FeatureBatch:  # type: ignore[no-untyped-def]
-    """One target pass over packed rows → raw selected-layer features [R, S, k·H] (no logits).
-
-    `greedy`: the whole target runs (not just up to the deepest selected layer) and the batch also holds its
-    greedy next token at every position (`FeatureBatch.greedy`, on the CPU; the head applied in chunks)."""
+def compute_features(target, rows: TokenBatch, layer_ids: list[int]) -> FeatureBatch:  # type: ignore[no-untyped-def]
+    """One target pass over packed rows → raw selected-layer features [R, S, k·H] (no logits)."""
     device = target.device
     # the [R, 1, S, S] mask is built on the device from the doc ids: only [R, S] tensors cross
     doc_ids = to_device(rows.doc_ids, device)
     mask = attention_mask_for(document_causal_mask(doc_ids), target.attn_implementation, target.dtype)
     out = target.forward(
         to_device(rows.input_ids, device),
-        layer_ids=[*layer_ids, target.num_layers - 1] if greedy else list(layer_ids),
+        layer_ids=list(layer_ids),
         position_ids=to_device(rows.position_ids, device),
         attention_mask=mask,
         logits="none",
     )
     assert out.features is not None
-    feats, choices = out.features, None  # [R, S, k·H (+ H)]
-    if greedy:
-        width = len(layer_ids) * target.hidden_size
-        choices = target.greedy(feats[..., width:]).cpu()  # [R, S]: the last layer's output is final-normed
-        feats = feats[..., :width].contiguous()
     return FeatureBatch(
         input_ids=rows.input_ids,
-        features=feats,  # [R, S, k·H]
+        features=out.features,  # [R, S, k·H]
         loss_mask=rows.loss_mask,
         position_ids=rows.position_ids,
         doc_ids=rows.doc_ids,
         sample_ids=rows.sample_ids,
-        greedy=choices,
     )

@@ -3,12 +3,7 @@
 For anchor `a` in a document starting at row index `d`, the block is `[x[a], MASK × (B−1)]`
 at document positions `pos[a] .. pos[a]+B−1`; slot k (1..B−1) is trained to predict `x[a+k]`
 (same position, not shifted); slot 0 and labels outside the loss mask or past the document
-are dropped. With greedy labels (data.greedy_labels: the batch holds the target's greedy next
-token g[p] after every position p) slot k is trained on g[a+k−1] instead, at every document
-position (prompt included), and only while the document follows the greedy path inside the
-block — x[a+j] = g[a+j−1] for 1 ≤ j < k — the path a verified chain takes. On the target's own
-regenerated answers g[p] = x[p+1], so there both rules give the same labels.
-Block n's queries see context rows `d ≤ kv < a` (strict: the anchor's own target feature does
+are dropped. Block n's queries see context rows `d ≤ kv < a` (strict: the anchor's own target feature does
 not exist at inference) and their own block, nothing from other blocks.
 
     anchors = AnchorSampler(seed=0).sample(batch, max_anchors=512)
@@ -74,7 +69,7 @@ class AnchorSampler:
         `blocks_per_row > 0` fixes the shape instead: every row gets exactly that many blocks; a row
         whose documents offer more anchors keeps a uniform random subset of them.
         """
-        ok = valid_anchor_positions(batch.label_mask, batch.doc_ids)  # [R, S]
+        ok = valid_anchor_positions(batch.loss_mask, batch.doc_ids)  # [R, S]
         per_row: list[torch.Tensor] = []
         starts: list[torch.Tensor] = []
         for r in range(ok.shape[0]):
@@ -153,17 +148,8 @@ def build_blocks(batch: FeatureBatch, anchors: Anchors, block_size: int, mask_to
     idx_c = idx.clamp(max=s - 1)
     gather = lambda t: torch.gather(t, 1, idx_c.view(r, n * b)).view(r, n, b)  # noqa: E731  [R, N, B]
     same_doc = gather(batch.doc_ids) == batch.doc_ids.gather(1, anchors.positions)[:, :, None]
-    has_label = inside & same_doc & gather(batch.label_mask) & anchors.valid[:, :, None] & (k > 0)
-    label = gather(batch.input_ids)  # [R, N, B] x[a+k]
-    if batch.greedy is not None:
-        before = (idx_c - 1).clamp(min=0).view(r, n * b)
-        prev = torch.gather(batch.greedy, 1, before).view(r, n, b)  # g[a+k−1]
-        follows = label == prev  # x[a+k] is the greedy choice after x[a+k−1]
-        on_path = torch.ones_like(follows)  # slot k needs follows at slots 1..k−1
-        on_path[:, :, 2:] = follows[:, :, 1:-1].long().cumprod(dim=-1).bool()
-        has_label &= on_path
-        label = prev
-    labels = torch.where(has_label, label, torch.full_like(idx, IGNORE))  # [R, N, B]
+    has_label = inside & same_doc & gather(batch.loss_mask) & anchors.valid[:, :, None] & (k > 0)
+    labels = torch.where(has_label, gather(batch.input_ids), torch.full_like(idx, IGNORE))  # [R, N, B]
     block_ids = torch.full((r, n, b), mask_token_id, dtype=torch.long)
     block_ids[:, :, 0] = batch.input_ids.gather(1, anchors.positions)  # slot 0 = the anchor token x[a]
     block_pos = (

@@ -9,9 +9,11 @@ combinations into one-line errors that name the field and the fix.
 from __future__ import annotations
 
 import re
+import typing
 from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
-from flashdraft.config import ConfigError
+from flashdraft.config import ConfigError, Removed
 
 COMPILE_PARTS = {"attention", "loss", "model"}
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")  # the devices the trainer runs on (runtime.device)
@@ -52,11 +54,14 @@ class DataConfig:
     # micro-batch is [token_budget // max_length rows, max_length] with exactly N blocks per row (rows
     # offering more anchors keep a random N); what runtime.compile=model needs to compile once
     blocks_per_row: int = 0
-    # label every document position (the prompt's too) with the target's greedy next token, taken in the same
-    # target pass as the features (which then runs the whole target); a slot k >= 2 is labelled only while the
-    # document's own tokens follow the greedy path inside the block. On regenerated answers the labels are the
-    # same as the response tokens; the prompts add positions (flashdraft.train.blocks). Offline: dump --greedy
-    greedy_labels: bool = False
+
+    REMOVED: ClassVar[dict[str, Removed]] = {
+        "greedy_labels": Removed(
+            "labelling the prompts with the target's greedy tokens measured no better: held-out chain tau 1.480 vs "
+            "1.483 and 1.513 vs 1.524 at 2.9x the features cost, 2-core Xeon CPU, 2026-12-05",
+            inert=(False,),
+        ),
+    }
 
 
 @dataclass
@@ -68,19 +73,27 @@ class LossConfig:
     # compiled (CUDA with "loss" in runtime.compile) — there the drafter step took 0.745x the time (H200,
     # RESULTS.md session 6); eager on CPU it is slower (0.41 vs 0.25 s a quickstart step), so off there
     fused_ce: bool | None = None
-    feature_noise: float = 0.0  # relative Gaussian noise on the drafter's copy of the features (off: paper)
-    embedding_noise: float = 0.0  # relative Gaussian noise on the block embeddings (off: paper)
     # 0: the CE's softmax runs over the whole vocabulary (paper). N > 0: over the N most frequent label tokens of
     # the training split (labels outside carry no loss): a cheaper step where the head dominates it (a small
     # drafter on a CPU); decoding still drafts from every token (flashdraft.train.vocab)
     softmax_vocab: int = 0
+
+    REMOVED: ClassVar[dict[str, Removed]] = {
+        key: Removed(
+            "Gaussian input noise never moved held-out chain tau: 1.286 / 1.283 vs 1.285 at noise 0.1 (H200, "
+            "2026-12-03) and 1.42 vs 1.42 at feature noise 0.15 (2-core CPU, 2026-12-03)",
+            inert=(0.0, 0),
+        )
+        for key in ("feature_noise", "embedding_noise")
+    }
 
 
 @dataclass
 class OptimConfig:
     lr: float = 6e-4  # paper recipe
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # common for transformer pretraining
-    weight_decay: float = 0.0  # the paper does not report decay; keep the drafter unregularised
+    # the paper does not report decay; 0.1 measured no better (held-out chain tau 1.295 vs 1.285, H200, 2026-12-03)
+    weight_decay: float = 0.0
     warmup_ratio: float = 0.04  # paper: 4% warmup
     min_lr_ratio: float = 0.0  # cosine decays to lr × this
     grad_clip: float = 1.0  # paper recipe
@@ -113,27 +126,32 @@ class RuntimeConfig:
     fit_steps_to_time_limit: bool = False
     attention: str = "auto"  # auto: flex on CUDA, dense bool mask on CPU; or "flex" / "dense"
     # the FlexAttention BlockMask's (Q, KV) tile; torch's default 128 × 128 is partial at the edges of every
-    # run of 16-token blocks (flashdraft/train/blocks.py). Powers of two in 16..128; kernel tiles follow. On sm90
-    # (H200) at head dim 64 torch's default backward tiles are 128 wide and must divide these: smaller tiles need
-    # compile_mode max-autotune-no-cudagraphs (its extra configs), else inductor finds no backward kernel
+    # run of 16-token blocks (flashdraft/train/blocks.py). Powers of two in 16..128; kernel tiles follow. Compiled,
+    # tiles below 128 need runtime.compile=model with compile_mode max-autotune-no-cudagraphs: under the default
+    # mode [64, 64]'s backward found no kernel (NoValidChoicesError; torch 2.11, H200 sm90, head dim 64,
+    # benchmarks/gpu/mfu_ab.sh, 2026-12-03): the default backward tiles are 128 wide and must divide these
     flex_block_size: list[int] = field(default_factory=lambda: [128, 128])
-    # torch.compile mode for runtime.compile=model: default, reduce-overhead (CUDA graphs: no per-kernel
-    # launch cost; static shapes make one graph) or max-autotune-no-cudagraphs (long compile)
+    # torch.compile mode for runtime.compile=model: default or max-autotune-no-cudagraphs (its extra kernel
+    # configs, what flex tiles below 128 need; long compile)
     compile_mode: str = "default"
     # where the target (the feature producer) runs: "same" = the drafter's device, "cuda:1", or one
     # device per local rank under torchrun, comma-separated ("cuda:4,cuda:5,cuda:6,cuda:7")
     target_device: str = "same"
-    # Python's cyclic GC (flashdraft/train/gc_policy.py): 0 = leave automatic collection on; N > 0 = off during
-    # Trainer.run, gc.collect(1) every N optimizer steps and a full gc.collect() after each checkpoint save
-    # (restored on exit). Automatic full collections over torch.compile's large heap can stall the host at random
-    # steps (the suspect for issue 5's slow steps); safe on: a 300-step CPU run made no cyclic garbage (RSS flat)
-    gc_every: int = 50
     # torch's intra-op CPU threads during Trainer.run (flashdraft/train/host.py). None = auto: 1 when the drafter
     # runs on CUDA (the host only queues kernels and builds small index tensors; with torch's one thread per core
     # a descheduled thread stalls every tiny op's barrier: H200 session 10's slow steps, 0 with one thread), torch's
     # default on CPU (the CPU trains with those threads); 0 = leave torch's setting alone; N >= 1 = N threads
     # (torch.set_num_threads, the previous count restored on exit)
     host_threads: int | None = None
+
+    REMOVED: ClassVar[dict[str, Removed]] = {
+        # any value: the collection schedule never changed what a run computes
+        "gc_every": Removed(
+            "the slow training steps were host threads in block building, not GC pauses (no GC pause in the "
+            "drafter-step windows; H200, benchmarks/gpu/mfu_ab.sh, 2026-12-04): runtime.host_threads fixes them",
+            inert=None,
+        ),
+    }
 
     @property
     def compile_parts(self) -> set[str]:
@@ -268,17 +286,24 @@ class TrainConfig:
         fb = self.runtime.flex_block_size
         if len(fb) != 2 or any(x not in (16, 32, 64, 128) for x in fb):
             raise ConfigError(
-                f"runtime.flex_block_size {fb}: two tile sizes (Q, KV), each 16, 32, 64 or 128 (e.g. [64, 64])"
+                f"runtime.flex_block_size {fb}: two tile sizes (Q, KV), each 16, 32, 64 or 128 (e.g. [128, 128])"
             )
-        if self.runtime.compile_mode not in ("default", "reduce-overhead", "max-autotune-no-cudagraphs"):
+        if self.runtime.compile_mode == "reduce-overhead":
             raise ConfigError(
-                f"runtime.compile_mode {self.runtime.compile_mode!r}: use default, reduce-overhead or "
-                "max-autotune-no-cudagraphs"
+                "runtime.compile_mode 'reduce-overhead' was removed (CUDA-graph replay measured slower: 109-119 vs "
+                "85-90 ms a drafter step, H200, 2026-12-03): use default or max-autotune-no-cudagraphs"
             )
-        if self.runtime.gc_every < 0:
+        if self.runtime.compile_mode not in ("default", "max-autotune-no-cudagraphs"):
             raise ConfigError(
-                f"runtime.gc_every {self.runtime.gc_every} must be >= 0: 0 keeps Python's automatic GC, "
-                "N > 0 collects every N optimizer steps"
+                f"runtime.compile_mode {self.runtime.compile_mode!r}: use default or max-autotune-no-cudagraphs"
+            )
+        flex_compiled = bool(parts & {"attention", "model"})
+        tuned = "model" in parts and self.runtime.compile_mode == "max-autotune-no-cudagraphs"
+        if min(fb) < 128 and flex_compiled and not tuned:
+            raise ConfigError(
+                f"runtime.flex_block_size {fb}: compiled FlexAttention with tiles below 128 has no backward kernel "
+                "under the default compile mode (torch 2.11, H200): set runtime.compile=model with "
+                "runtime.compile_mode=max-autotune-no-cudagraphs, runtime.compile=none, or keep [128, 128]"
             )
         if self.runtime.host_threads is not None and self.runtime.host_threads < 0:
             raise ConfigError(
@@ -310,3 +335,11 @@ class TrainConfig:
             raise ConfigError(f"distributed.strategy {self.distributed.strategy!r}: use ddp or fsdp2")
         if self.distributed.backend not in ("auto", "nccl", "gloo"):
             raise ConfigError(f"distributed.backend {self.distributed.backend!r}: use auto, nccl or gloo")
+
+
+def removed_off_values(section: str) -> dict[str, Any]:
+    """TrainConfig section `section`'s removed keys at their off value, as configs saved before the removal hold
+    them: config_hash adds them back so a run started before a removal resumes as the same run."""
+    cls = typing.get_type_hints(TrainConfig).get(section)
+    removed: dict[str, Removed] = getattr(cls, "REMOVED", {})
+    return {k: r.inert[0] for k, r in removed.items() if r.inert}

@@ -11,9 +11,7 @@ Layout (every file written to a temp name and renamed: a file that exists is com
 
     OUT/manifest.json                target, layer ids, width, dtype, packing, shards (written first)
     OUT/shard-00000.safetensors      features [T, k·H] (the shard's samples back to back),
-                                     offsets [n+1] int64, sample_index [n] int64 (dataset index),
-                                     with --greedy also greedy [T] int32 (the target's greedy next
-                                     token after each position: data.greedy_labels)
+                                     offsets [n+1] int64, sample_index [n] int64 (dataset index)
 
 Samples are packed exactly as training packs them (dataset order, `max_length`,
 `token_budget`, `pad_multiple`), so an unshuffled offline run with the same packing gets
@@ -77,7 +75,6 @@ class DumpPlan:
     lengths_digest: str
     tokens: int
     shards: list[ShardSpec]
-    greedy: bool = False  # the target's greedy next tokens are stored too (the whole target runs)
 
     @property
     def width(self) -> int:
@@ -110,7 +107,6 @@ def _human(n: float) -> str:
 def plan_dump(
     lengths: Sequence[int], *, layer_ids: list[int], hidden_size: int, dtype: str = "bfloat16",
     max_length: int = 3072, token_budget: int = 16384, pad_multiple: int = 1, shard_bytes: int = 1 << 30,
-    greedy: bool = False,
 ) -> DumpPlan:  # fmt: skip
     """Which micro-batches go into which shard (a pure function of the lengths and settings)."""
     if dtype not in _DTYPES:
@@ -135,7 +131,7 @@ def plan_dump(
             start, tokens = m + 1, 0
     return DumpPlan(
         list(layer_ids), int(hidden_size), dtype, max_length, token_budget, pad_multiple,
-        len(lengths), lengths_digest(lengths), total, shards, greedy,
+        len(lengths), lengths_digest(lengths), total, shards,
     )  # fmt: skip
 
 
@@ -145,7 +141,7 @@ def _manifest(plan: DumpPlan, meta: dict[str, Any]) -> dict[str, Any]:
 
 
 _MUST_MATCH = ("layer_ids", "hidden_size", "dtype", "max_length", "token_budget", "pad_multiple",
-               "num_samples", "lengths_digest", "target", "greedy")  # fmt: skip
+               "num_samples", "lengths_digest", "target")  # fmt: skip
 
 
 @dataclass
@@ -175,7 +171,6 @@ def dump_features(
     mf = out / MANIFEST
     if mf.is_file():
         old = json.loads(mf.read_text())
-        old.setdefault("greedy", False)  # dumps from before --greedy existed hold none
         for k in _MUST_MATCH:
             if old.get(k) != manifest.get(k):
                 raise FeaturesError(
@@ -202,20 +197,17 @@ def dump_features(
         )
     for spec in todo:
         feats: list[torch.Tensor] = []
-        choices: list[torch.Tensor] = []
         index: list[int] = []
         for m in range(*spec.micro_batches):
             rows = [[samples[i] for i in row] for row in micro_plans[m].rows]
             tokens = pack_rows(rows, plan.max_length, plan.pad_multiple)
-            fb = compute_features(target, tokens, plan.layer_ids, greedy=plan.greedy)
+            fb = compute_features(target, tokens, plan.layer_ids)
             f = fb.features.to(device="cpu", dtype=dtype)  # [R, S, k·H]
             for r, row in enumerate(micro_plans[m].rows):
                 at = 0
                 for i in row:
                     n = min(lengths[i], plan.max_length)
                     feats.append(f[r, at : at + n])  # [n, k·H]
-                    if fb.greedy is not None:
-                        choices.append(fb.greedy[r, at : at + n].to(torch.int32))  # [n]
                     index.append(i)
                     at += n
         offsets = np.concatenate([[0], np.cumsum([len(x) for x in feats])]).astype(np.int64)
@@ -224,8 +216,6 @@ def dump_features(
             "offsets": torch.from_numpy(offsets),  # [n+1]
             "sample_index": torch.tensor(index, dtype=torch.int64),  # [n]
         }
-        if plan.greedy:
-            tensors["greedy"] = torch.cat(choices).contiguous()  # [T] int32
         tmp = out / f".{spec.file}.tmp"
         save_file(tensors, str(tmp), metadata={"format": FORMAT})
         tmp.replace(out / spec.file)
@@ -292,10 +282,6 @@ class FeatureStore:
     def max_length(self) -> int:
         return int(self.manifest["max_length"])
 
-    @property
-    def has_greedy(self) -> bool:
-        return bool(self.manifest.get("greedy", False))
-
     def _shard(self, k: int) -> tuple[Any, np.ndarray, np.ndarray]:
         from safetensors import safe_open
 
@@ -313,13 +299,6 @@ class FeatureStore:
         """[n, k·H] the sample's features."""
         f, lo, hi = self._locate(index)
         return f.get_slice("features")[lo:hi]
-
-    def get_greedy(self, index: int) -> torch.Tensor:
-        """[n] int32: the target's greedy next token after each of the sample's positions (`--greedy` dumps)."""
-        if not self.has_greedy:
-            raise FeaturesError(f"{self.path}: dumped without --greedy, it holds no greedy tokens")
-        f, lo, hi = self._locate(index)
-        return f.get_slice("greedy")[lo:hi]
 
     def _locate(self, index: int) -> tuple[Any, int, int]:
         k = bisect.bisect_right(self._starts, index) - 1
@@ -354,11 +333,6 @@ class OfflineSource(InProcessSource):
                 f"data.max_length {self.max_length} > the dump's max_length {store.max_length}: "
                 f"set data.max_length={store.max_length} or dump again with --max-length {self.max_length}"
             )
-        if self.greedy and not store.has_greedy:
-            raise FeaturesError(
-                f"{store.path} holds no greedy tokens, which data.greedy_labels=true trains on: dump again "
-                "with `flashdraft features dump --greedy`, or set data.greedy_labels=false"
-            )
         if int(store.manifest["num_samples"]) != len(self.lengths) or store.manifest["lengths_digest"] != lengths_digest(self.lengths):  # fmt: skip
             raise FeaturesError(f"{store.path} was dumped from another dataset/split (sample lengths differ)")
         self.store = store
@@ -368,15 +342,10 @@ class OfflineSource(InProcessSource):
         tb = pack_rows(docs, self.max_length, self.pad_multiple)
         r, s = tb.input_ids.shape
         out = torch.zeros(r, s, self.store.width, dtype=_DTYPES[self.store.manifest["dtype"]])  # [R, S, k·H]
-        choices = torch.zeros(r, s, dtype=torch.long) if self.greedy else None  # [R, S]
         for ri, row in enumerate(rows):
             at = 0
             for i in row:
                 n = min(int(self.lengths[i]), self.max_length)
                 out[ri, at : at + n] = self.store.get(i)[:n]
-                if choices is not None:
-                    choices[ri, at : at + n] = self.store.get_greedy(i)[:n]
                 at += n
-        return FeatureBatch(
-            tb.input_ids, out, tb.loss_mask, tb.position_ids, tb.doc_ids, tb.sample_ids, greedy=choices
-        )
+        return FeatureBatch(tb.input_ids, out, tb.loss_mask, tb.position_ids, tb.doc_ids, tb.sample_ids)

@@ -249,8 +249,7 @@ def _train(
         if cfg.loss.softmax_vocab > 0:
             from flashdraft.train.vocab import label_vocab
 
-            vocab = label_vocab(samples, target.vocab_size, cfg.loss.softmax_vocab,
-                                whole_documents=cfg.data.greedy_labels)  # fmt: skip
+            vocab = label_vocab(samples, target.vocab_size, cfg.loss.softmax_vocab)
             if ctx.is_main:
                 print(f"loss.softmax_vocab={vocab.size}: {vocab.coverage:.2%} of the training labels are inside it",
                       file=sys.stderr)  # fmt: skip

@@ -250,12 +250,3 @@ def drafter_loss(
         streak_sum=(streak * valid).sum(),
         num_blocks=valid.sum().float(),
     )
-
-
-def add_noise(x: torch.Tensor, std: float, generator: torch.Generator | None = None) -> torch.Tensor:
-    """A noisy copy of what the drafter is fed: x + std · rms(x) · ε per vector. Never in place."""
-    if std <= 0:
-        return x
-    rms = x.detach().float().pow(2).mean(-1, keepdim=True).sqrt()
-    eps = torch.randn(x.shape, generator=generator, device=x.device, dtype=torch.float32)
-    return (x.float() + std * rms * eps).to(x.dtype)

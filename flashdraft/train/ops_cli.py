@@ -41,9 +41,6 @@ def features_dump(
     shard_mb: int = typer.Option(1024, help="feature megabytes per shard"),
     yes: bool = typer.Option(False, "--yes", help="write dumps larger than --confirm-gb without asking"),
     confirm_gb: float = typer.Option(10.0, help="dumps above this size need --yes"),
-    greedy: bool = typer.Option(
-        False, "--greedy", help="also store the target's greedy next tokens (for data.greedy_labels=true)"
-    ),
 ) -> None:
     """Write the target's raw selected-layer features [S, k·H] per sample (sharded safetensors)."""
     import sys
@@ -78,7 +75,7 @@ def features_dump(
         plan = plan_dump(
             [int(n) for n in ds.lengths], layer_ids=layer_ids, hidden_size=t.hidden_size, dtype=dtype,
             max_length=max_length, token_budget=token_budget, pad_multiple=pad_multiple,
-            shard_bytes=shard_mb * 1_000_000, greedy=greedy,
+            shard_bytes=shard_mb * 1_000_000,
         )  # fmt: skip
         typer.echo(f"features dump: {plan.estimate_line()} -> {out}", err=True)  # before anything is written
         if plan.total_bytes > confirm_gb * 1e9 and not yes:

@@ -366,7 +366,7 @@ def build_source(
         max_length=cfg.data.max_length, token_budget=cfg.data.token_budget,
         epochs=None if cfg.optim.max_steps is not None else cfg.optim.epochs, seed=cfg.runtime.seed,
         shuffle=cfg.data.shuffle, pad_multiple=cfg.data.pad_multiple, lengths=lengths, rank=rank,
-        world_size=world_size, greedy=cfg.data.greedy_labels,
+        world_size=world_size,
     )  # fmt: skip
     p = cfg.pipeline
     inner: Any

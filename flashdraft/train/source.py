@@ -66,7 +66,6 @@ class InProcessSource:
         lengths: Sequence[int] | None = None,  # known lengths (datasets store them): no need to read samples
         rank: int = 0,
         world_size: int = 1,
-        greedy: bool = False,  # data.greedy_labels: batches also hold the target's greedy next tokens
     ) -> None:
         self.samples = samples
         self.target = target
@@ -75,7 +74,6 @@ class InProcessSource:
         self.epochs, self.seed, self.shuffle = epochs, seed, shuffle
         self.pad_multiple = pad_multiple
         self.rank, self.world_size = rank, world_size
-        self.greedy = greedy
         if lengths is None:
             lengths = [len(s.input_ids) for s in samples]
         self.lengths = np.asarray(lengths, dtype=np.int64)
@@ -128,4 +126,4 @@ class InProcessSource:
         (An offline source overrides this to read the features from disk.)"""
         docs = [[self.samples[i] for i in row] for row in rows]
         tokens = pack_rows(docs, self.max_length, self.pad_multiple)
-        return compute_features(self.target, tokens, self.layer_ids, greedy=self.greedy)
+        return compute_features(self.target, tokens, self.layer_ids)

@@ -1,29 +1,21 @@
-"""One micro-batch through the drafter: block embeddings, optional noise, mask, forward, loss.
+"""One micro-batch through the drafter: block embeddings, mask, forward, loss.
 
     draft = build_blocks(batch, anchors, B, mask_token_id).to(device)
     out = micro_step(drafter, target, batch, draft, weights, denom, attention="dense")
     out.loss.backward()
 
-The target is only read here (frozen embedding and head); `batch.features` is never
-modified: noise goes into a copy that only the drafter sees.
+The target is only read here (frozen embedding and head); `batch.features` is never modified.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from flashdraft.train.batch import FeatureBatch
 from flashdraft.train.blocks import DraftBatch, dense_block_mask, flex_block_mask
-from flashdraft.train.loss import LossOutput, add_noise, drafter_loss
-
-
-@dataclass
-class NoiseSettings:
-    feature_std: float = 0.0  # relative noise on the drafter's copy of the context features
-    embedding_std: float = 0.0  # relative noise on the block embeddings
+from flashdraft.train.loss import LossOutput, drafter_loss
 
 
 def block_attention_mask(
@@ -44,7 +36,6 @@ def micro_step(
     denominator: torch.Tensor,  # Σw over the global batch
     *,
     attention: str = "dense",
-    noise: NoiseSettings | None = None,
     chunk_tokens: int = 4096,
     fused_ce: bool = False,  # loss.fused_ce
     flex_block_size: tuple[int, int] = (128, 128),  # runtime.flex_block_size: the BlockMask's (Q, KV) tile
@@ -52,7 +43,6 @@ def micro_step(
     head_weight: torch.Tensor | None = None,  # [N, H] rows of the head the labels index (loss.softmax_vocab)
 ) -> LossOutput:
     device = draft.block_ids.device
-    noise = noise or NoiseSettings()
     with torch.no_grad():
         emb = target.embed_tokens(draft.block_ids)  # [R, N·B, H] frozen target embedding
     feats = batch.features.to(device, non_blocking=True)  # [R, S, k·H]
@@ -60,8 +50,6 @@ def micro_step(
     if compute_dtype is None or compute_dtype == param_dtype:
         # no autocast: the drafter's weights and inputs share one dtype
         feats, emb = feats.to(param_dtype), emb.to(param_dtype)
-    feats = add_noise(feats, noise.feature_std)  # a copy: batch.features is untouched
-    emb = add_noise(emb, noise.embedding_std)
     mask = block_attention_mask(draft, attention, device, flex_block_size)
     use_autocast = compute_dtype is not None and compute_dtype != param_dtype
     with torch.autocast(device.type, dtype=compute_dtype or param_dtype, enabled=use_autocast):

@@ -37,16 +37,15 @@ from flashdraft.train.checkpoint import (
     save_checkpoint,
     step_of,
 )
-from flashdraft.train.config import TrainConfig, fused_ce_on
+from flashdraft.train.config import TrainConfig, fused_ce_on, removed_off_values
 from flashdraft.train.ema import WeightEMA
 from flashdraft.train.flops import step_flops, trainable_params
-from flashdraft.train.gc_policy import GCPolicy
 from flashdraft.train.host import HostThreads, resolve_host_threads
 from flashdraft.train.lifecycle import RunSignals
 from flashdraft.train.loss import loss_denominator, slot_weights
 from flashdraft.train.metrics import MetricsLogger
 from flashdraft.train.source import FeatureSource
-from flashdraft.train.step import NoiseSettings, micro_step
+from flashdraft.train.step import micro_step
 from flashdraft.train.vocab import LabelVocab, restrict_labels
 
 # named step phases in torch.profiler tables (benchmarks/train_throughput.py)
@@ -103,7 +102,7 @@ class TrainResult:
 def config_hash(cfg: TrainConfig) -> str:
     """Hash of what defines the training problem (not run_dir, checkpoint or telemetry settings)."""
     d = to_dict(cfg)
-    key = {k: d[k] for k in ("model", "data", "loss", "optim")}
+    key = {k: {**d[k], **removed_off_values(k)} for k in ("model", "data", "loss", "optim")}
     key["seed"] = d["runtime"]["seed"]
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -157,10 +156,6 @@ class Trainer:
         self.fused_ce = fused_ce_on(cfg.loss, cfg.runtime, self.device.type)
         fb = cfg.runtime.flex_block_size
         self.flex_block_size = (fb[0], fb[1])  # the BlockMask's (Q, KV) tile
-        # CUDA graphs (cudagraph trees) replay the compiled drafter: each micro-step must open a new step
-        self.mark_cudagraph_steps = (
-            cfg.runtime.compile_mode == "reduce-overhead" and self.device.type == "cuda"
-        )
         self.on_step_end = on_step_end
         b = drafter.config.block_size
         self.block_size, self.mask_token_id = b, drafter.config.mask_token_id
@@ -169,7 +164,6 @@ class Trainer:
         self.head_weight = None  # [N, H]: the head's rows for `vocab` (frozen, gathered once)
         if vocab is not None:
             self.head_weight = target.lm_head.weight.detach()[vocab.ids.to(target.lm_head.weight.device)]
-        self.noise = NoiseSettings(cfg.loss.feature_noise, cfg.loss.embedding_noise)
         self.anchor_sampler = AnchorSampler(cfg.runtime.seed * 1_000_003 + rank)
         params = [p for p in drafter.parameters() if p.requires_grad]
         # the full count on every rank: `drafter` is the module itself (FSDP2 shards it in place into
@@ -333,12 +327,10 @@ class Trainer:
         fit_start = self.step + FIT_SKIP
         fit_t0, fit_s0, refits = started, self.step, list(REFIT_AT)
         interval = Interval(self.block_size, self.device)
-        gc_policy = GCPolicy(cfg.runtime.gc_every)  # automatic GC off (gc_every > 0) until `finally`
         # torch's intra-op threads (runtime.host_threads; auto: 1 on CUDA), restored in `finally`
         threads = HostThreads(resolve_host_threads(cfg.runtime.host_threads, self.device))
         try:
             threads.start()
-            gc_policy.start()
             signals.armed = True  # from here a stop signal ends in a checkpoint
             while self.step < self.total_steps:
                 micro = []
@@ -358,9 +350,6 @@ class Trainer:
                 except torch.OutOfMemoryError as e:
                     raise TrainingError(f"step {self.step + 1}: {OOM_HINT}") from e
                 self.step += 1
-                # while the device still runs the step just queued, so the pause hides behind it (after
-                # _log's host sync it would not)
-                gc_policy.step(self.step)
                 if bar is not None:
                     bar.update(1)
                 if self.on_step_end is not None:
@@ -399,7 +388,6 @@ class Trainer:
                 if periodic or asked or out_of_time or stop:
                     why = stop_name or ("time limit" if out_of_time else "SIGUSR1" if asked else "periodic")
                     self._save(why, bar)
-                    gc_policy.after_checkpoint()
                     saved_at = self.step
                 if (
                     stop_name is not None and self.step < self.total_steps
@@ -415,7 +403,6 @@ class Trainer:
                 self._save("final", bar)
         finally:
             signals.armed = False  # a stop signal from here on exits at once (nothing is left to save)
-            gc_policy.stop()
             threads.stop()
             if bar is not None:
                 bar.close()
@@ -453,12 +440,10 @@ class Trainer:
             no_sync = getattr(self.model, "no_sync", None)
             ctx = no_sync() if (no_sync is not None and not last) else contextlib.nullcontext()
             with ctx:
-                if self.mark_cudagraph_steps:  # a new step: the last replay's outputs may be overwritten
-                    torch.compiler.cudagraph_mark_step_begin()
                 with _phase("step/forward_loss"):
                     out = micro_step(
                         self.model, self.target, fb, draft, weights, denom,
-                        attention=self.attention, noise=self.noise, chunk_tokens=cfg.loss.chunk_tokens,
+                        attention=self.attention, chunk_tokens=cfg.loss.chunk_tokens,
                         fused_ce=self.fused_ce, flex_block_size=self.flex_block_size,
                         compute_dtype=self.compute_dtype, head_weight=self.head_weight,
                     )  # fmt: skip

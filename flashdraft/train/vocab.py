@@ -40,17 +40,12 @@ class LabelVocab:
         return int(self.ids.numel())
 
 
-def label_vocab(
-    samples: Sequence[Any], vocab_size: int, size: int, *, whole_documents: bool = False
-) -> LabelVocab:
-    """The `size` most frequent label tokens of `samples` (response tokens; `whole_documents`: every token, as
-    with data.greedy_labels, where the labels are the target's own next tokens)."""
+def label_vocab(samples: Sequence[Any], vocab_size: int, size: int) -> LabelVocab:
+    """The `size` most frequent label tokens of `samples` (their response tokens)."""
     counts = np.zeros(vocab_size, dtype=np.int64)
     for i in range(len(samples)):
         s = samples[i]
-        ids = np.asarray(s.input_ids, dtype=np.int64)
-        if not whole_documents:
-            ids = ids[np.asarray(s.loss_mask, dtype=bool)]
+        ids = np.asarray(s.input_ids, dtype=np.int64)[np.asarray(s.loss_mask, dtype=bool)]
         if len(ids) and (ids.min() < 0 or ids.max() >= vocab_size):
             raise ValueError(f"sample {s.id!r}: token ids outside the target's vocabulary of {vocab_size}")
         counts += np.bincount(ids, minlength=vocab_size)

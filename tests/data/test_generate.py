@@ -1,18 +1,12 @@
-"""Batched generation: the loop and HF generate agree with unbatched greedy decoding; batching plan; sampling."""
+"""Batched generation: the loop and native engines agree with unbatched greedy decoding; batching plan; sampling."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from flashdraft.data.generate import (
-    GenerationParams,
-    LocalGenerator,
-    cut_at_stop,
-    hf_generate,
-    loop_generate,
-    plan_batches,
-)
+from flashdraft.data.generate import LocalGenerator, plan_batches
+from flashdraft.data.loop import GenerationParams, cut_at_stop, loop_generate
 from tests.conftest import tiny_target
 
 
@@ -34,7 +28,7 @@ def _prompts(vocab: int, lens: list[int], seed: int = 0) -> list[list[int]]:
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lens]
 
 
-def test_loop_and_hf_match_unbatched_greedy(family):
+def test_loop_matches_unbatched_greedy(family):
     target = tiny_target(family)
     prompts = _prompts(97, [5, 12, 1])
     # pick a stop token the reference actually emits for one row, so both finish kinds are exercised
@@ -43,9 +37,7 @@ def test_loop_and_hf_match_unbatched_greedy(family):
     params = GenerationParams(max_new_tokens=8, stop_ids=stop)
     ref = [_reference_greedy(target, p, 8, stop) for p in prompts]
     loop = loop_generate(target, prompts, params, seed=0, sync_every=3)
-    hf = hf_generate(target, prompts, params, seed=0)
     assert [g.ids for g in loop] == ref
-    assert [g.ids for g in hf] == ref
     assert loop[1].finish == "stop" and loop[1].ids[-1] == stop[0]
     assert all(g.finish == ("stop" if g.ids[-1] in stop else "length") for g in loop)
 
@@ -82,7 +74,7 @@ def test_cut_at_stop():
 
 def test_native_continuous_batching_matches_unbatched_greedy(family):
     """Fewer rows than prompts forces refills of finished rows; stop tokens and max_new_tokens both end rows."""
-    from flashdraft.data.generate import native_generate
+    from flashdraft.data.native import native_generate
 
     target = tiny_target(family)
     prompts = _prompts(97, [5, 12, 1, 9, 3, 17, 7], seed=3)
@@ -104,7 +96,7 @@ def test_native_continuous_batching_matches_unbatched_greedy(family):
 
 
 def test_native_sampling_is_seeded():
-    from flashdraft.data.generate import native_generate
+    from flashdraft.data.native import native_generate
 
     target = tiny_target("llama")
     prompts = _prompts(97, [4, 6, 3])
@@ -120,14 +112,23 @@ def test_native_sampling_is_seeded():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_native_generation_with_cuda_graphs_matches_eager_steps(monkeypatch):
     """On CUDA the step replays a CUDA graph per span bucket; greedy output must equal the eager step's."""
-    from flashdraft.data.generate import native_generate
-    from flashdraft.decode.native import BatchedNativeTarget
+    from flashdraft.data.native import BatchedNativeTarget, native_generate
 
     target = tiny_target("qwen3", dtype=torch.float32)
     target.model.to("cuda")
     prompts = _prompts(97, [5, 12, 1, 9, 3, 17, 7, 30, 2], seed=4)
     params = GenerationParams(max_new_tokens=40, stop_ids=[5])
     graphed = native_generate(target, prompts, params, seed=0, rows=4, sync_every=4)
-    monkeypatch.setattr(BatchedNativeTarget, "step_graphed", lambda self, i, n, s, bucket=256: self.step(i, n, s))
+    monkeypatch.setattr(
+        BatchedNativeTarget, "step_graphed", lambda self, i, n, s, bucket=256: self.step(i, n, s)
+    )
     eager = native_generate(target, prompts, params, seed=0, rows=4, sync_every=4)
     assert [g.ids for g in graphed] == [g.ids for g in eager]
+
+
+def test_the_removed_hf_engine_is_refused_with_the_reason():
+    target = tiny_target("llama")
+    with pytest.raises(ValueError, match="engine 'hf' was removed .*21 tok/s.*use 'native' or 'loop'"):
+        LocalGenerator(target, GenerationParams(max_new_tokens=2), engine="hf")
+    with pytest.raises(ValueError, match="unknown engine 'fast': use 'native' or 'loop'"):
+        LocalGenerator(target, GenerationParams(max_new_tokens=2), engine="fast")

@@ -97,7 +97,7 @@ def test_native_drafter_matches_reference(family):
 def test_target_logits_are_float32_on_a_bf16_target():
     """bf16 logits tie exactly at the top often enough to split AR from verify (HeadFP32's docstring):
     the native forwards (engine and regeneration) compute the head in float32 on the bf16 hidden states."""
-    from flashdraft.decode.native import BatchedNativeTarget
+    from flashdraft.data.native import BatchedNativeTarget
 
     target = tiny_target("llama", layers=2, dtype=torch.bfloat16, vocab=211)
     ids = torch.randint(3, target.vocab_size, (9,), generator=torch.Generator().manual_seed(1))
@@ -455,6 +455,11 @@ def test_engine_edges_and_errors():
         engine.generate([5, 6], max_new_tokens=4, method="ddtree", budget=16)
     with pytest.raises(ValueError, match="needs budget"):
         engine.generate([5, 6], max_new_tokens=4, method="ddtree")
+    # the same request checks as the reference decoder's (flashdraft.decode.generate.check_request)
+    with pytest.raises(ValueError, match="budget -1 must be >= 0"):
+        engine.generate([5, 6], max_new_tokens=4, method="ddtree", budget=-1)
+    with pytest.raises(ValueError, match="method 'chain' needs a drafter"):
+        FastEngine(target, max_len=32).generate([5, 6], max_new_tokens=4)
     seen: list[list[int]] = []
     res = engine.generate([5, 6], max_new_tokens=20, on_tokens=lambda t: seen.append(t) or len(seen) < 2)
     assert res.stop_reason == "cancelled" and sum(seen, []) == res.tokens

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 from flashdraft.decode import generate
@@ -49,3 +50,47 @@ def test_find_divergence_reports_position_and_margin():
     changed = ar[:3] + [(ar[3] + 1) % target.vocab_size] + ar[4:]
     d = find_divergence(target, prompt, ar, changed)
     assert d is not None and d.position == 3 and d.token == changed[3] and d.top2_margin > 0
+
+
+def test_divergence_margin_from_the_engine_forward_equals_the_transformers_one_in_float64():
+    """benchmarks/decode_speed.py reads the margin from the fast engine's own forward (`engine_next_logits`):
+    the same function, the same margin as the transformers forward where both are exact (float64)."""
+    from flashdraft.decode.divergence import engine_next_logits
+    from flashdraft.decode.engine import FastEngine
+
+    target = tiny_target("llama", layers=2, dtype=torch.float64)
+    prompt = [4, 5, 6]
+    ar = generate(target, None, prompt, max_new_tokens=6, method="ar").tokens
+    changed = ar[:2] + [(ar[2] + 1) % target.vocab_size] + ar[3:]
+    engine = FastEngine(target, None, max_len=32, max_budget=8, cuda_graphs=False)
+    a = find_divergence(target, prompt, ar, changed)
+    b = find_divergence(target, prompt, ar, changed, next_logits=engine_next_logits(engine))
+    assert (
+        a is not None and b is not None and (a.position, a.token) == (b.position, b.token) == (2, changed[2])
+    )
+    assert b.top2_margin == pytest.approx(a.top2_margin, rel=1e-9)
+
+
+def test_decode_speed_agreement_uses_the_module_and_survives_an_early_stop():
+    """benchmarks/decode_speed.py's agreement table: first divergence and margin from `find_divergence` with the
+    engine's forward; an output that stops early where AR goes on diverges where it ends (no margin)."""
+    import importlib.util
+    from pathlib import Path
+
+    from flashdraft.decode.engine import FastEngine
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "decode_speed.py"
+    spec = importlib.util.spec_from_file_location("decode_speed", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    target = tiny_target("llama", layers=2, dtype=torch.float64)
+    prompt = [4, 5, 6]
+    ar = generate(target, None, prompt, max_new_tokens=6, method="ar").tokens
+    changed = ar[:2] + [(ar[2] + 1) % target.vocab_size] + ar[3:]
+    engine = FastEngine(target, None, max_len=32, max_budget=8, cuda_graphs=False)
+    got = bench.agreement(engine, [prompt, prompt, prompt], [ar, ar, ar], [ar, changed, ar[:4]])
+    want = find_divergence(target, prompt, ar, changed)
+    assert want is not None and got["identical_sequences"] == 1 and got["first_divergence"] == [2, 4]
+    assert got["top2_margin_at_divergence"][0] == pytest.approx(want.top2_margin, rel=1e-9)
+    assert got["top2_margin_at_divergence"][1] is None

@@ -62,9 +62,22 @@ def test_unknown_keys_and_bad_values_are_errors(overrides, message):
         (["data.dataset=x", "runtime.flex_block_size=[96,128]"], r"runtime.flex_block_size \[96, 128\]"),
         (["data.dataset=x", "runtime.flex_block_size=[64]"], "two tile sizes"),
         (["data.dataset=x", "runtime.compile_mode=fast"], "runtime.compile_mode 'fast'"),
+        (
+            ["data.dataset=x", "runtime.compile_mode=reduce-overhead"],
+            "'reduce-overhead' was removed .*measured slower",
+        ),
+        (["data.dataset=x", "runtime.flex_block_size=[64,64]"], r"below 128 has no backward kernel"),
+        (
+            [
+                "data.dataset=x",
+                "runtime.flex_block_size=[128,64]",
+                "runtime.compile=model,loss",
+                "data.blocks_per_row=8",
+            ],
+            "set runtime.compile=model with runtime.compile_mode=max-autotune-no-cudagraphs",
+        ),
         (["data.dataset=x", "telemetry.peak_tflops=0"], "telemetry.peak_tflops 0.0 must be > 0"),
         (["data.dataset=x", "telemetry.peak_tflops=-790"], "telemetry.peak_tflops -790.0 must be > 0"),
-        (["data.dataset=x", "runtime.gc_every=-1"], "runtime.gc_every -1 must be >= 0"),
         (["data.dataset=x", "runtime.host_threads=-1"], "runtime.host_threads -1 must be >= 0"),
     ],
 )
@@ -109,3 +122,92 @@ def test_fused_ce_unset_follows_where_the_loss_is_compiled():
         assert (
             fused_ce_on(c.loss, c.runtime, "cpu") is want and fused_ce_on(c.loss, c.runtime, "cuda") is want
         )
+
+
+def test_small_flex_tiles_only_where_they_compile():
+    """runtime.flex_block_size below 128: with max-autotune's kernel configs (the whole drafter compiled), or
+    with FlexAttention not compiled at all; [128, 128] everywhere."""
+    for extra in (
+        [
+            "runtime.compile=model,loss",
+            "data.blocks_per_row=8",
+            "runtime.compile_mode=max-autotune-no-cudagraphs",
+        ],
+        ["runtime.compile=loss"],
+        ["runtime.compile=none"],
+    ):
+        load_config(
+            TrainConfig, None, ["data.dataset=x", "runtime.flex_block_size=[64,64]", *extra]
+        ).validate()
+    load_config(
+        TrainConfig, None, ["data.dataset=x", "runtime.compile=model", "data.blocks_per_row=8"]
+    ).validate()
+
+
+OLD_DEFAULTS = {"data": {"greedy_labels": False}, "loss": {"feature_noise": 0.0, "embedding_noise": 0.0},
+                "runtime": {"gc_every": 50}}  # fmt: skip
+
+
+def test_a_run_config_saved_before_the_knob_removals_still_loads_and_hashes_the_same(tmp_path):
+    """A run folder's config.yaml from before data.greedy_labels, loss.feature_noise / embedding_noise and
+    runtime.gc_every were removed holds them at their defaults: it loads (they did nothing) and config_hash
+    is the one those runs stored in their checkpoints (else --resume warns 'not the same run')."""
+    import yaml
+
+    from flashdraft.config import to_dict
+    from flashdraft.train.trainer import config_hash
+
+    raw = to_dict(load_config(TrainConfig, None, ["data.dataset=x"]))
+    for section, keys in OLD_DEFAULTS.items():
+        raw[section].update(keys)
+    raw["runtime"]["gc_every"] = 7  # any gc_every: it never changed what a run computes
+    p = tmp_path / "config.yaml"
+    p.write_text(yaml.safe_dump(raw, sort_keys=False))
+    cfg = load_config(TrainConfig, p)
+    assert cfg == load_config(TrainConfig, None, ["data.dataset=x"])
+    # the value the code before the removals computed for this config (and for the shipped config + an override)
+    assert config_hash(cfg) == "1f4b703e10f539b5"
+    shipped = load_config(TrainConfig, CONFIGS / "smollm2-b16.yaml", ["data.dataset=d", "optim.lr=0.001"])
+    assert config_hash(shipped) == "843aaa818a5338e9"
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [("data.greedy_labels=true", "data.greedy_labels"), ("loss.feature_noise=0.1", "loss.feature_noise"),
+     ("loss.embedding_noise=0.05", "loss.embedding_noise"), ("data.greedy_labels=0", "data.greedy_labels")],
+)  # fmt: skip
+def test_a_removed_key_that_asks_for_something_is_refused_in_one_line(override, key, tmp_path):
+    p = tmp_path / "old.yaml"
+    p.write_text("data:\n  dataset: x\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(TrainConfig, p, [override])
+    msg = str(e.value)
+    assert (
+        "\n" not in msg and f"config key '{key}' was removed (" in msg and "delete it from the config" in msg
+    )
+    assert msg.startswith(str(p))  # names the file
+
+
+def test_the_fields_that_only_shape_or_place_things_reach_what_they_set():
+    """model.target_dtype, the drafter's architecture fields (num_attention_heads, num_key_value_heads, head_dim,
+    mask_token_id), runtime.target_device: each reaches the object it configures."""
+    import torch
+
+    from flashdraft.train.launch import build_drafter, resolve_precision
+    from flashdraft.train.pipeline import resolve_target_device
+    from tests.conftest import tiny_target
+
+    cpu = torch.device("cpu")
+    assert (
+        resolve_precision(load_config(TrainConfig, None, ["model.target_dtype=float64"]), cpu).target
+        == torch.float64
+    )
+    with pytest.raises(ConfigError, match="model.target_dtype 'int8'"):
+        resolve_precision(load_config(TrainConfig, None, ["model.target_dtype=int8"]), cpu)
+    shape = ["model.num_layers=1", "model.block_size=4", "model.num_attention_heads=2", "model.num_key_value_heads=1",
+             "model.head_dim=8", "model.mask_token_id=7"]  # fmt: skip
+    d = build_drafter(load_config(TrainConfig, None, shape), tiny_target("llama"), cpu, torch.float32).config
+    assert (d.num_attention_heads, d.num_key_value_heads, d.head_dim, d.mask_token_id) == (2, 1, 8, 7)
+    assert resolve_target_device("same", cpu) == cpu and resolve_target_device("cpu,cpu", cpu, 1) == cpu
+    with pytest.raises(ValueError, match="lists 2 devices but this is local rank 2"):
+        resolve_target_device("cpu,cpu", cpu, 2)

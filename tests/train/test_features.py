@@ -91,6 +91,28 @@ def test_dump_resumes_and_refuses_other_settings(setup):
         OfflineSource(ds, FeatureStore(root / "feats"), LAYERS, epochs=1, max_length=64, token_budget=96)
 
 
+def test_a_dump_written_with_the_removed_greedy_option_still_resumes_and_reads(setup, tmp_path):
+    """`features dump --greedy` (removed) wrote "greedy": true in the manifest and a greedy tensor per shard; the
+    features are the same, so such a dump resumes without the option and trains as any other."""
+    import json
+    import shutil
+
+    t, ds, plan, _res, root = setup
+    old = tmp_path / "feats"
+    shutil.copytree(root / "feats", old)
+    mf = json.loads((old / "manifest.json").read_text())
+    (old / "manifest.json").write_text(json.dumps({**mf, "greedy": True}))
+    (old / plan.shards[-1].file).unlink()
+    res = dump_features(t, ds, plan, old, meta={"target": "tiny"}, progress=False)
+    assert (res.written, res.skipped) == (1, len(plan.shards) - 1)
+    kw = dict(epochs=1, seed=0, shuffle=False, lengths=list(ds.lengths), **PACK)
+    for a, b in zip(
+        OfflineSource(ds, FeatureStore(root / "feats"), LAYERS, **kw), OfflineSource(ds, FeatureStore(old), LAYERS, **kw),
+        strict=True,
+    ):  # fmt: skip
+        assert torch.equal(a.features, b.features)
+
+
 def test_training_losses_identical_online_and_offline(setup, tmp_path):
     t, _ds, _plan, _res, root = setup
     losses = {}

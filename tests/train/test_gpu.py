@@ -136,7 +136,9 @@ def test_compiled_fused_ce_matches_reference_in_bf16_on_cuda(monkeypatch):
     assert abs(res[True][2] - res[False][2]) <= 0.02 * max(res[False][2], 1)  # bf16 ties may flip a few
 
 
-@pytest.mark.parametrize("tiles", [(64, 64), (128, 64)])
+# not [64, 64]: at head dim 64 on the H200 its backward found no kernel under the default compile mode (the config
+# takes tiles below 128 only with runtime.compile=model and compile_mode max-autotune-no-cudagraphs)
+@pytest.mark.parametrize("tiles", [(128, 64)])
 def test_smaller_flex_tiles_match_the_default_on_cuda(tiles):
     """runtime.flex_block_size: compiled FlexAttention with smaller BlockMask and kernel tiles gives the
     default tiles' loss and gradient (forward and backward kernels)."""

@@ -1,4 +1,4 @@
-"""Decayed hard CE: weights, exactness against a naive full-logits loss, metrics, gradients, noise."""
+"""Decayed hard CE: weights, exactness against a naive full-logits loss, metrics, gradients, inputs left untouched."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from flashdraft.train.batch import pack_rows
 from flashdraft.train.blocks import IGNORE, Anchors, AnchorSampler, build_blocks, dense_block_mask
 from flashdraft.train.loss import drafter_loss, loss_denominator, slot_weights
-from flashdraft.train.step import NoiseSettings, micro_step
+from flashdraft.train.step import micro_step
 from tests.conftest import tiny_drafter, tiny_target
 from tests.train.helpers import fake_features, features_for, make_docs
 
@@ -191,7 +191,7 @@ def test_every_fused_layer_receives_gradient(family):
         assert p.grad is not None and p.grad.abs().sum() > 0, name
 
 
-def test_noise_touches_only_the_drafter_inputs():
+def test_a_micro_step_leaves_the_features_labels_and_target_untouched():
     t = tiny_target("llama")
     drafter = tiny_drafter(t, block_size=4).train()
     docs = make_docs([18, 12], seed=3)
@@ -203,13 +203,7 @@ def test_noise_touches_only_the_drafter_inputs():
     labels_before = draft.labels.clone()
     w = slot_weights(4, gamma=4.0).double()
     denom = loss_denominator([draft], w)
-    clean = micro_step(drafter, t, fb, draft, w, denom)
-    torch.manual_seed(0)
-    noisy = micro_step(
-        drafter, t, fb, draft, w, denom, noise=NoiseSettings(feature_std=0.5, embedding_std=0.5)
-    )
-    noisy.loss.backward()
-    assert abs(float(noisy.loss) - float(clean.loss)) > 1e-6  # the noise did reach the drafter
+    micro_step(drafter, t, fb, draft, w, denom).loss.backward()
     assert torch.equal(fb.features, feats_before)
     assert torch.equal(draft.labels, labels_before)
     assert torch.equal(t.forward(ids, logits="all").logits, logits_before)

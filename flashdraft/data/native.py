@@ -1,0 +1,267 @@
+"""The native regeneration engine: continuous batching over a static KV cache on the target's own layers.
+
+    gens = native_generate(target, prompts, GenerationParams(max_new_tokens=256), seed=0, rows=512)
+
+`BatchedNativeTarget` runs many independent sequences through the target's decoder layers (Llama / Qwen2 /
+Qwen3 / Mistral: `native_support_error`) with the same layer math as the decoding engine's forward
+(`flashdraft.decode.native`'s public primitives); the fast regeneration path on a GPU (28K tok/s on an
+H200, benchmarks/RESULTS.md). Greedy output equals `loop_generate`'s (tests/data/test_generate.py).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from flashdraft.data.loop import Generation, GenerationParams, choose_next, cut_at_stop, pad_rows
+from flashdraft.decode.native import (
+    HeadFP32,
+    additive_mask,
+    attention_geometry,
+    native_support_error,
+    rms_norm,
+    rope_tables,
+    target_qkv,
+)
+from flashdraft.target import TargetModel
+
+
+class BatchedNativeTarget:
+    """A static-cache forward for many independent sequences at once (regeneration, continuous batching).
+
+    Row r of the cache holds one sequence from column 0: `lengths[r]` tokens so far, the next token
+    goes to column `lengths[r]` at RoPE position `lengths[r]`. A finished row is refilled with a new
+    prompt by `prefill(slots, ...)`, which overwrites its columns from 0; stale columns past a row's
+    length are never attended (the mask is `column <= length`). Nothing is allocated per step, so
+    the cache never grows or copies the way a transformers DynamicCache does (torch.cat per step).
+
+        net = BatchedNativeTarget(target, rows=512, capacity=longest_prompt + max_new)
+        logits = net.prefill(slots, ids_right_padded, prompt_lengths)     # [n, V] at each last prompt token
+        logits = net.step(next_ids, lengths, span)                        # [rows, V]
+    """
+
+    def __init__(self, target: TargetModel, rows: int, capacity: int) -> None:
+        why = native_support_error(target)
+        if why is not None:
+            raise ValueError(f"native target forward: {why}")
+        self.target = target
+        self.n_heads, self.n_kv, self.head_dim = attention_geometry(target)
+        self.rows, self.capacity = rows, capacity
+        self.inner = target.model.model
+        self.layers = list(target.layers)
+        self.head = HeadFP32(target.lm_head)
+        # [layers, 2 (k, v), rows, kv_heads, capacity, head_dim]; zeros so unwritten columns are finite
+        self.cache = torch.zeros(
+            len(self.layers), 2, rows, self.n_kv, capacity, self.head_dim, dtype=target.dtype, device=target.device
+        )  # fmt: skip
+        # step_graphed: static inputs, and one CUDA graph (with its static output) per span bucket
+        self._ids = torch.zeros(rows, dtype=torch.long, device=target.device)
+        self._len = torch.zeros(rows, dtype=torch.long, device=target.device)
+        self._graphs: dict[int, tuple[Any, torch.Tensor]] = {}
+        self._pool: Any = None  # one memory pool shared by every span's graph, made at the first capture
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.head(rms_norm(self.inner.norm, h))  # [n, V], float32 at least
+
+    def step_graphed(
+        self, input_ids: torch.Tensor, lengths: torch.Tensor, span: int, bucket: int = 256
+    ) -> torch.Tensor:
+        """`step` replayed from a CUDA graph (one per span rounded up to `bucket` columns; the mask makes
+        the extra columns inert). Eager, a step is ~1,400 small kernels whose host-side dispatch cost
+        ~100 ms on the H200 machine whatever the batch (benchmarks/RESULTS.md); a replay launches them
+        at once. The returned logits live in the graph's static output: read them before the next call."""
+        if input_ids.device.type != "cuda":
+            return self.step(input_ids, lengths, span)
+        span = min(self.capacity, -(-span // bucket) * bucket)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        self._ids.copy_(input_ids)
+        self._len.copy_(lengths)
+        if span not in self._graphs:
+            # warm-up on a side stream (lazy cuBLAS / kernel init), then capture. Both run the step on the
+            # current inputs: its cache writes are the ones the replay below makes anyway
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self.step(self._ids, self._len, span)
+            torch.cuda.current_stream().wait_stream(side)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=self._pool):
+                out = self.step(self._ids, self._len, span)
+            self._graphs[span] = (g, out)
+        g, out = self._graphs[span]
+        g.replay()
+        return out
+
+    @torch.no_grad()
+    def prefill(self, slots: torch.Tensor, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """Write prompts into cache rows `slots` [n]; input_ids [n, P] right-padded, lengths [n] (>= 1).
+        Returns the logits after each prompt's last token, [n, V]. Padding columns get K/V that no
+        query ever attends: causal attention keeps them after every real token of their row."""
+        n, p_len = input_ids.shape
+        h = self.inner.embed_tokens(input_ids)  # [n, P, H]
+        pos = torch.arange(p_len, device=h.device)[None].expand(n, p_len)  # [n, P]
+        cos, sin = self.inner.rotary_emb(h, pos)  # [n, P, hd]
+        cos, sin = rope_tables(cos[:, None], sin[:, None])  # [n, 1, P, hd]
+        rep = self.n_heads // self.n_kv
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            q, k, v = target_qkv(
+                layer, h, self.n_heads, self.n_kv, self.head_dim, cos, sin
+            )  # [n, heads|kv, P, hd]
+            self.cache[i, 0, slots, :, :p_len] = k
+            self.cache[i, 1, slots, :, :p_len] = v
+            if rep > 1:  # head h reads kv head h // rep
+                k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)  # [n, heads, P, hd]
+            o = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=attn.scaling
+            )  # [n, heads, P, hd]
+            h = h + attn.o_proj(o.transpose(1, 2).reshape(n, p_len, self.n_heads * self.head_dim))
+            h = h + layer.mlp(rms_norm(layer.post_attention_layernorm, h))
+        last = h[torch.arange(n, device=h.device), lengths - 1]  # [n, H] the last real token of each row
+        return self._logits(last)
+
+    @torch.no_grad()
+    def step(self, input_ids: torch.Tensor, lengths: torch.Tensor, span: int) -> torch.Tensor:
+        """One token for every row: input_ids [rows] go to column / position `lengths` [rows];
+        `span` (host int) bounds max(lengths) + 1, so attention reads columns [0, span) only.
+        Returns [rows, V]."""
+        rows = self.rows
+        ar = torch.arange(rows, device=input_ids.device)
+        h = self.inner.embed_tokens(input_ids[:, None])  # [rows, 1, H]
+        cos, sin = self.inner.rotary_emb(h, lengths[:, None])  # [rows, 1, hd]
+        cos, sin = rope_tables(cos[:, None], sin[:, None])  # [rows, 1, 1, hd]
+        allowed = torch.arange(span, device=h.device)[None] <= lengths[:, None]  # [rows, span]
+        mask = additive_mask(allowed, h.dtype)[:, None, None]  # [rows, 1, 1, span]
+        rep = self.n_heads // self.n_kv
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            q, k, v = target_qkv(
+                layer, h, self.n_heads, self.n_kv, self.head_dim, cos, sin
+            )  # [rows, heads|kv, 1, hd]
+            kc, vc = self.cache[i, 0], self.cache[i, 1]  # [rows, kv, S, hd] views
+            kc[ar, :, lengths] = k[:, :, 0]  # advanced indices around a slice: [rows, kv, hd]
+            vc[ar, :, lengths] = v[:, :, 0]
+            # the rep query heads of one kv head ride in the query-length slot: [rows, kv, rep, hd] over
+            # [rows, kv, span, hd] keeps SDPA on a fused kernel without copying the cache per head
+            o = F.scaled_dot_product_attention(
+                q.reshape(rows, self.n_kv, rep, self.head_dim), kc[:, :, :span], vc[:, :, :span],
+                attn_mask=mask, scale=attn.scaling,
+            )  # fmt: skip
+            h = h + attn.o_proj(o.reshape(rows, 1, self.n_heads * self.head_dim))
+            h = h + layer.mlp(rms_norm(layer.post_attention_layernorm, h))
+        return self._logits(h[:, 0])
+
+
+@torch.inference_mode()
+def native_generate(
+    target: TargetModel, prompts: list[list[int]], params: GenerationParams, seed: int, *, rows: int = 256,
+    max_batch_tokens: int | None = None, sync_every: int = 8, prefill_tokens: int = 65536, on_batch: Any = None,
+    follow_up: Callable[[int, Generation], list[int] | None] | None = None, priority: list[int] | None = None,
+    max_prompt_len: int | None = None,
+) -> list[Generation]:  # fmt: skip
+    """Continuous batching over a static cache (`BatchedNativeTarget`): `rows` sequences decode together;
+    every `sync_every` steps the host reads which rows finished (the only host sync), collects them
+    and refills their rows with the next prompts (highest `priority`, then longest, first). Finished
+    rows idle until then. `follow_up(i, generation)` may return a new prompt when prompt i is done
+    (a conversation's next turn): it goes to the front of the queue and its generation is appended
+    to the result; `max_prompt_len` must then bound every prompt (it sizes the cache).
+    Greedy output equals `loop_generate`'s; sampled output depends only on the prompts and the seed."""
+    dev, n_new = target.device, params.max_new_tokens
+    prompts = list(prompts)  # follow-ups are appended
+    prio = priority or [0] * len(prompts)
+    order = deque(sorted(range(len(prompts)), key=lambda i: (-prio[i], -len(prompts[i]), i)))
+    longest = max_prompt_len or max(len(p) for p in prompts)
+    capacity = longest + n_new
+    if max_batch_tokens:
+        rows = min(rows, max(1, max_batch_tokens // capacity))
+    rows = max(1, min(rows, len(prompts)))
+    refill_at = max(1, rows // 8)  # free rows that trigger a refill (while prompts are waiting)
+    net = BatchedNativeTarget(target, rows, capacity)
+    stop = torch.tensor(params.stop_ids or [-1], device=dev)
+    gen = torch.Generator(device=dev).manual_seed(seed) if params.temperature > 0 else None
+    ar = torch.arange(rows, device=dev)
+    tokens = torch.zeros(rows, n_new, dtype=torch.long, device=dev)  # [rows, N] generated ids per row
+    count = torch.zeros(rows, dtype=torch.long, device=dev)  # generated so far per row
+    lengths = torch.zeros(rows, dtype=torch.long, device=dev)  # cache columns filled per row
+    nxt = torch.zeros(rows, dtype=torch.long, device=dev)  # each row's next input id
+    done = torch.ones(rows, dtype=torch.bool, device=dev)  # empty rows count as done
+    owner = [-1] * rows  # prompt index held by each row (host)
+    out: list[Generation | None] = [None] * len(prompts)
+    span = 1  # host bound on max(lengths) + 1 over the rows
+    while True:
+        free = [r for r in range(rows) if owner[r] < 0]
+        if len(free) < min(refill_at, len(order)) and len(free) < rows:
+            free = []  # refill in groups: a prefill is one eager forward, too slow to run for every row
+        for chunk in _prefill_chunks(free, order, prompts, prefill_tokens):  # refill finished rows
+            slots = torch.tensor([r for r, _ in chunk], device=dev)
+            lens = torch.tensor([len(prompts[i]) for _, i in chunk], device=dev)
+            width = max(len(prompts[i]) for _, i in chunk)
+            ids = pad_rows([prompts[i] for _, i in chunk], width, 0, left=False)  # [n, P]
+            for r, i in chunk:
+                owner[r] = i
+            first = choose_next(net.prefill(slots, ids.to(dev), lens), params, gen)  # [n]
+            tokens[slots, 0], nxt[slots], count[slots], lengths[slots] = first, first, 1, lens
+            done[slots] = torch.isin(first, stop) | (n_new == 1)
+            span = max(span, width + 1)
+        if all(o < 0 for o in owner):
+            break
+        for _ in range(sync_every):
+            span = min(span + 1, capacity)
+            new = choose_next(net.step_graphed(nxt, lengths, span), params, gen)  # [rows]
+            live = ~done
+            col = count.clamp(max=n_new - 1)  # [rows] where each row's token goes (done rows rewrite theirs)
+            tokens[ar, col] = torch.where(live, new, tokens[ar, col])
+            count += live
+            lengths += live
+            nxt = torch.where(live, new, nxt)
+            done |= live & (torch.isin(new, stop) | (count >= n_new))
+        fin = [r for r, f in enumerate(done.tolist()) if f and owner[r] >= 0]  # host sync
+        if fin:
+            idx = torch.tensor(fin, device=dev)
+            got = [row[:c] for row, c in zip(tokens[idx].tolist(), count[idx].tolist(), strict=True)]
+            finished = []
+            for r, ids_r in zip(fin, got, strict=True):
+                g = cut_at_stop(ids_r, params.stop_ids)
+                out[owner[r]] = g
+                finished.append(g)
+                nxt_prompt = follow_up(owner[r], g) if follow_up is not None else None
+                if nxt_prompt is not None:
+                    if len(nxt_prompt) > longest:
+                        raise ValueError(
+                            f"follow-up prompt of {len(nxt_prompt)} tokens > max_prompt_len {longest}"
+                        )
+                    prompts.append(nxt_prompt)
+                    out.append(None)
+                    order.appendleft(len(prompts) - 1)  # the conversation's next turn: its critical path
+                owner[r] = -1
+            lengths[idx] = 0
+            if on_batch is not None:
+                on_batch(finished)
+            span = int(lengths.max()) + 1
+    return out  # type: ignore[return-value]
+
+
+def _prefill_chunks(
+    free: list[int], order: Any, prompts: list[list[int]], prefill_tokens: int
+) -> list[list[tuple[int, int]]]:
+    """Pop prompts for the free rows; group them so each prefill forward holds <= prefill_tokens (rows × width)."""
+    chunks: list[list[tuple[int, int]]] = []
+    cur: list[tuple[int, int]] = []
+    for r in free:
+        if not order:
+            break
+        i = order.popleft()
+        width = max([len(prompts[j]) for _, j in cur] + [len(prompts[i])])
+        if cur and (len(cur) + 1) * width > prefill_tokens:
+            chunks.append(cur)
+            cur = []
+        cur.append((r, i))
+    if cur:
+        chunks.append(cur)
+    return chunks
