@@ -10,7 +10,8 @@ T0=$(date +%s)
 RUN=${RUN_DIR:-/root/work/run}  # a new RUN_DIR with INIT_FROM=<an earlier checkpoint>/drafter: a second schedule
 # telemetry.peak_tflops: the H200's measured dense bf16 ceiling, so metrics.jsonl carries mfu
 ARGS="run_dir=$RUN model.target=$TARGET data.dataset=/root/work/data optim.max_steps=$STEPS
-  checkpoint.every=${CKPT_EVERY:-200} telemetry.progress=false telemetry.peak_tflops=790 ${INIT_FROM:+model.init_from=$INIT_FROM} ${EXTRA:-}"
+  checkpoint.every=${CKPT_EVERY:-200} telemetry.progress=false telemetry.peak_tflops=790 ${INIT_FROM:+model.init_from=$INIT_FROM}
+  eval.dataset=humaneval:/root/stage/HumanEval.jsonl.gz ${EXTRA:-}"
 # the whole drafter compiled at static shapes (one graph) unless COMPILE says otherwise
 COMPILE=${COMPILE:-"runtime.compile=model,loss data.blocks_per_row=${BLOCKS_PER_ROW:-1024}"}
 # a second call continues the run of the first (the machine stays warm between back-to-back calls)
