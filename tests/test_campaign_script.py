@@ -29,6 +29,7 @@ sys.modules["campaign_stint"] = cs  # dataclasses look their module up while the
 _spec.loader.exec_module(cs)  # type: ignore[union-attr]
 
 HE = "/root/stage/HumanEval.jsonl.gz"
+CONFIG_PATH = REPO / "configs" / "smollm2-b16.yaml"
 
 
 def test_dry_run_commands_parse_with_the_cli(capsys: pytest.CaptureFixture[str]) -> None:
@@ -59,7 +60,7 @@ def test_dry_run_commands_parse_with_the_cli(capsys: pytest.CaptureFixture[str])
     cfg.validate()
     assert cfg.model.init_from == "models/smollm2-135m-instruct-dflash-b16" and cfg.data.dataset == "/w/data"
     assert cfg.runtime.time_limit_min == 3.5 and cfg.runtime.fit_steps_to_time_limit
-    assert cfg.eval.every == 500 and cfg.eval.dataset == f"humaneval:{HE}"
+    assert cfg.eval.every == 1000 and cfg.eval.dataset == f"humaneval:{HE}"
     assert not train["resume"]
     evals = [_parse(e) for e in cmd["eval"]]
     assert [(e["dataset"], e["limit"], e["dtype"]) for e in evals] == [
@@ -78,6 +79,11 @@ def test_a_later_call_trains_on_given_data_without_regeneration(capsys: pytest.C
         set(cmd) == {"plan", "budget", "train"} and cmd["budget"]["train"] == 8.3
     )  # 9.3 less 1 for shipping
     assert "data.dataset=/c/all" in cmd["train"]
+    assert "eval.dataset=humaneval:/root/stage/HumanEval.jsonl.gz" in cmd["train"]
+    args = cs.parse_args(["--stint", "4", "--val-references", "/c/refs.jsonl"])
+    cfg = load_config(TrainConfig, CONFIG_PATH, cs.train_args(args, Path("/d"), Path("/r"), "m", 5.0)[2:])
+    assert cfg.eval.references == "/c/refs.jsonl" and cfg.eval.dataset == ""
+    cfg.validate()  # exactly one of eval.references and eval.dataset
 
 
 def test_every_stint_samples_new_answers() -> None:
@@ -217,3 +223,20 @@ def test_learning_curve_accumulates_minutes_and_plots(
     text = capsys.readouterr().out
     assert "| 2 | 81.0 | 21.00M | 3.40 / 5.60 | 3.10 / - | - |" in text
     assert (tmp_path / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_later_call_trains_from_the_last_call_s_weights_and_references(tmp_path: Path) -> None:
+    st = cs.Stint(cs.parse_args(["--stint", "5", "--work", str(tmp_path), "--out", str(tmp_path / "out")]))
+    ck = tmp_path / "train-1" / "checkpoints" / "step-00000400"
+    (ck / "drafter").mkdir(parents=True)
+    (tmp_path / "train-1" / "val_references.jsonl").write_text("{}\n")
+    st.state["train_runs"] = ["train-1"]
+    ran: list[list[str]] = []
+    st.run = lambda phase, args, timeout_min: ran.append(args) or 0  # type: ignore[method-assign]
+    st.train(6.0)
+    train = _parse(ran[0])
+    assert f"run_dir={tmp_path / 'train-2'}" in train["overrides"]
+    assert f"model.init_from={ck / 'drafter'}" in train["overrides"]
+    cfg = load_config(TrainConfig, train["config"], train["overrides"])
+    assert cfg.eval.references == str(tmp_path / "train-1" / "val_references.jsonl") and not cfg.eval.dataset
+    assert st.state["train_runs"] == ["train-1", "train-2"]

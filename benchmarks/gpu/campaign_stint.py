@@ -130,14 +130,19 @@ def merge_args(a: argparse.Namespace, prev: Path, new: Path, out: Path) -> list[
     ]
 
 
-def train_args(a: argparse.Namespace, data: Path, run: Path, init_from: str, minutes: float) -> list[str]:
-    """A fresh LR schedule from `init_from`, fitted to `minutes` (warm-up included)."""
+def train_args(
+    a: argparse.Namespace, data: Path, run: Path, init_from: str, minutes: float, val_refs: str | None = None
+) -> list[str]:
+    """A fresh LR schedule from `init_from`, fitted to `minutes` (warm-up included); validated on `val_refs` (a
+    val_references.jsonl) or on HumanEval references computed at start-up."""
+    refs = val_refs or a.val_references
+    val = [f"eval.references={refs}", "eval.dataset="] if refs else [f"eval.dataset=humaneval:{a.humaneval}"]
     return [
         "train", str(CONFIG), f"run_dir={run}", f"model.target={a.target}", f"data.dataset={data}",
         f"model.init_from={init_from}", "optim.max_steps=1000000", f"runtime.time_limit_min={minutes}",
         "runtime.fit_steps_to_time_limit=true", "checkpoint.every=200", "telemetry.progress=false",
         "telemetry.peak_tflops=790", "runtime.compile=model,loss", "data.blocks_per_row=1024",
-        f"eval.every={a.val_every}", f"eval.dataset=humaneval:{a.humaneval}", *a.train_extra,
+        f"eval.every={a.val_every}", *val, *a.train_extra,
     ]  # fmt: skip
 
 
@@ -235,15 +240,17 @@ class Stint:
 
     def train(self, minutes: float) -> None:
         runs = self.state["train_runs"]
-        init = self.a.init_from
-        if runs:  # a later call: the previous call's last weights
+        init, refs = self.a.init_from, None
+        if runs:  # a later call: the previous call's last weights and validation references
             last = sorted((self.work / runs[-1] / "checkpoints").glob("step-*"))
             init = str(last[-1] / "drafter") if last else init
+            saved = self.work / runs[-1] / "val_references.jsonl"
+            refs = str(saved) if saved.is_file() else None
         data = Path(self.a.data) if self.a.data else self.data
         run = self.work / f"train-{len(runs) + 1}"
         runs.append(run.name)
         self.save_state()
-        self.run("train", train_args(self.a, data, run, init, minutes), minutes + 1.5)
+        self.run("train", train_args(self.a, data, run, init, minutes, refs), minutes + 1.5)
 
     def evaluate(self, minutes: float, drafter: Path) -> None:
         sets = eval_sets(self.a)
@@ -386,7 +393,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--humaneval", default="/root/stage/HumanEval.jsonl.gz", help="HumanEval for contamination"
     )
     p.add_argument("--max-new-tokens", type=int, default=512, help="regeneration cap per answer")
-    p.add_argument("--val-every", type=int, default=500, help="trainer validation interval (eval.every)")
+    p.add_argument("--val-every", type=int, default=1000, help="trainer validation interval (eval.every)")
+    p.add_argument(
+        "--val-references", default=None, help="the trainer's validation references (a run's file)"
+    )
     p.add_argument("--eval-set", action="append", default=None, help="NAME=SPEC@LIMIT (repeatable)")
     p.add_argument("--train-extra", nargs="*", default=[], help="more key=value training overrides")
     p.add_argument(
