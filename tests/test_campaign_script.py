@@ -59,7 +59,7 @@ def test_dry_run_commands_parse_with_the_cli(capsys: pytest.CaptureFixture[str])
     cfg = load_config(TrainConfig, train["config"], train["overrides"])
     cfg.validate()
     assert cfg.model.init_from == "models/smollm2-135m-instruct-dflash-b16" and cfg.data.dataset == "/w/data"
-    assert cfg.runtime.time_limit_min == 3.5 and cfg.runtime.fit_steps_to_time_limit
+    assert cfg.runtime.time_limit_min == 2.5 and cfg.runtime.fit_steps_to_time_limit  # 1 min start-up
     assert cfg.eval.every == 1000 and cfg.eval.dataset == f"humaneval:{HE}"
     assert not train["resume"]
     evals = [_parse(e) for e in cmd["eval"]]

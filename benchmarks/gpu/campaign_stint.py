@@ -52,6 +52,9 @@ CAMPAIGN_SOURCES = ("sharegpt",)
 TEMPERATURES = (0.7, 0.9, 1.0)  # sampled answers: other answers to the same prompts at every stint
 SEED_BASE = 100  # the shipped drafter's data used seeds 0..2: stint seeds start above them
 SHIP_MIN = 1.0  # minutes kept at the end of a call for the bf16 drafter, the tar and its parts
+# of the training phase's minutes, those before the trainer's clock starts (target load, validation references,
+# the teacher-forced pass) and after it stops (the last checkpoint); runtime.time_limit_min gets the rest
+TRAIN_OVERHEAD_MIN = 1.0
 
 
 class StintError(ValueError):
@@ -133,13 +136,13 @@ def merge_args(a: argparse.Namespace, prev: Path, new: Path, out: Path) -> list[
 def train_args(
     a: argparse.Namespace, data: Path, run: Path, init_from: str, minutes: float, val_refs: str | None = None
 ) -> list[str]:
-    """A fresh LR schedule from `init_from`, fitted to `minutes` (warm-up included); validated on `val_refs` (a
-    val_references.jsonl) or on HumanEval references computed at start-up."""
+    """A fresh LR schedule from `init_from`, fitted to the phase's `minutes` less TRAIN_OVERHEAD_MIN (warm-up
+    included); validated on `val_refs` (a val_references.jsonl) or on HumanEval references computed at start-up."""
     refs = val_refs or a.val_references
     val = [f"eval.references={refs}", "eval.dataset="] if refs else [f"eval.dataset=humaneval:{a.humaneval}"]
     return [
         "train", str(CONFIG), f"run_dir={run}", f"model.target={a.target}", f"data.dataset={data}",
-        f"model.init_from={init_from}", "optim.max_steps=1000000", f"runtime.time_limit_min={minutes}",
+        f"model.init_from={init_from}", "optim.max_steps=1000000", f"runtime.time_limit_min={round(max(0.5, minutes - TRAIN_OVERHEAD_MIN), 2)}",
         "runtime.fit_steps_to_time_limit=true", "checkpoint.every=200", "telemetry.progress=false",
         "telemetry.peak_tflops=790", "runtime.compile=model,loss", "data.blocks_per_row=1024",
         f"eval.every={a.val_every}", *val, *a.train_extra,
@@ -250,7 +253,8 @@ class Stint:
         run = self.work / f"train-{len(runs) + 1}"
         runs.append(run.name)
         self.save_state()
-        self.run("train", train_args(self.a, data, run, init, minutes, refs), minutes + 1.5)
+        # the trainer stops itself at its time limit; the timeout is only a guard (checkpoints every 200 steps)
+        self.run("train", train_args(self.a, data, run, init, minutes, refs), minutes + 0.5)
 
     def evaluate(self, minutes: float, drafter: Path) -> None:
         sets = eval_sets(self.a)
