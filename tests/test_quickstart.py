@@ -28,6 +28,7 @@ def test_train_overrides_make_a_valid_config(preset: str, tmp_path: Path) -> Non
     assert cfg.loss.softmax_vocab == sizes.softmax_vocab
     assert cfg.model.target_layer_ids == sizes.target_layer_ids
     assert cfg.pipeline.mode == "offline" and cfg.pipeline.features_dir == str(tmp_path / "feats")
+    assert cfg.eval.every == 0  # the config's validation computes references: not on a CPU's budget
 
 
 def test_preset_follows_the_device_and_the_cpu_bf16_support(monkeypatch: pytest.MonkeyPatch) -> None:

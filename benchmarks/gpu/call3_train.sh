@@ -12,7 +12,8 @@ LIMIT_S=${LIMIT_S:-560}  # wall-clock bound of the whole script (the training, a
 RUN=${RUN_DIR:-$WORK/run}  # a new RUN_DIR with INIT_FROM=<an earlier checkpoint>/drafter: a second schedule
 # telemetry.peak_tflops: the H200's measured dense bf16 ceiling, so metrics.jsonl carries mfu
 ARGS="run_dir=$RUN model.target=$TARGET data.dataset=${DATA:-$WORK/data} optim.max_steps=$STEPS
-  checkpoint.every=${CKPT_EVERY:-200} telemetry.progress=false telemetry.peak_tflops=790 ${INIT_FROM:+model.init_from=$INIT_FROM} ${EXTRA:-}"
+  checkpoint.every=${CKPT_EVERY:-200} telemetry.progress=false telemetry.peak_tflops=790 ${INIT_FROM:+model.init_from=$INIT_FROM}
+  eval.dataset=humaneval:$STAGE/HumanEval.jsonl.gz ${EXTRA:-}"
 # the whole drafter compiled at static shapes (one graph) unless COMPILE says otherwise
 COMPILE=${COMPILE:-"runtime.compile=model,loss data.blocks_per_row=${BLOCKS_PER_ROW:-1024}"}
 # a second invocation continues the run of the first

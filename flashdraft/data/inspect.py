@@ -1,16 +1,22 @@
-"""`flashdraft data inspect DIR`: counts, length histogram, loss-token totals, one sample with its loss mask.
+"""`flashdraft data inspect DIR`: counts, length histogram, loss-token totals, repetition, one sample with its loss mask.
 
     flashdraft data inspect data/sharegpt-smollm2 --sample 3
     flashdraft data inspect data/sharegpt-smollm2 --tokenizer none     # ids instead of text
 
 Loss tokens (what the target generated, trained on) are shown inside [[ ]]; everything else is prompt.
+Repetition, per split: the share of answer tokens that end an 8-token n-gram already seen earlier in the same
+answer (a small greedy target loops: such tokens are easy to draft, and they inflate the training metrics
+over what held-out τ shows), the same share in an answer's first 96 tokens and after them, and how many
+answers stopped at the regeneration cap (finish "length": max_new_tokens) instead of a stop token.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
 
 from flashdraft.data.dataset import SPLITS, Sample, open_dataset
 
@@ -41,6 +47,71 @@ def render_sample(s: Sample, tokenizer: Any | None) -> str:
     return ("" if tokenizer is not None else " ").join(parts)
 
 
+REPEAT_NGRAM = 8  # tokens per n-gram of the repetition share
+# "an answer's first tokens": where slot-1 accuracy was lowest on the shipped drafter's data
+EARLY_TOKENS = 96
+
+
+def repeated_tokens(answer: np.ndarray, n: int = REPEAT_NGRAM) -> np.ndarray:
+    """[len] bool: token i ends an n-gram (tokens i-n+1..i) that already ended at an earlier position of `answer`."""
+    out = np.zeros(len(answer), bool)
+    if len(answer) <= n:
+        return out
+    grams = np.ascontiguousarray(sliding_window_view(answer.astype(np.int64), n))  # [m, n]
+    keys = grams.view(np.dtype((np.void, 8 * n))).ravel()  # [m]: one exact key per n-gram
+    _, first = np.unique(keys, return_index=True)  # the first position of each distinct n-gram
+    seen = np.ones(len(keys), bool)
+    seen[first] = False
+    out[n - 1 :] = seen
+    return out
+
+
+@dataclass
+class RepetitionStats:
+    answers: int = 0  # loss runs: one per generated answer
+    tokens: int = 0  # answer (loss) tokens
+    repeated: int = 0  # of them, ending an n-gram seen earlier in the same answer
+    early_tokens: int = 0  # answer tokens at positions < EARLY_TOKENS of their answer
+    early_repeated: int = 0
+    with_finish: int = 0  # answers whose sample meta records how generation ended
+    capped: int = 0  # of them, stopped by max_new_tokens (finish "length")
+
+    @staticmethod
+    def share(part: int, whole: int) -> str:
+        return f"{part / whole:.1%}" if whole else "-"
+
+    def line(self, split: str, cap: Any) -> str:
+        late_t, late_r = self.tokens - self.early_tokens, self.repeated - self.early_repeated
+        cap_text = f"the {cap}-token cap" if cap else "the regeneration cap"
+        capped = (f"{self.capped:,} of {self.with_finish:,} answers ({self.share(self.capped, self.with_finish)}) "
+                  f"stopped at {cap_text}") if self.with_finish else "no finish reasons recorded"  # fmt: skip
+        return (
+            f"  {split:5s} repetition: {self.share(self.repeated, self.tokens)} of {self.tokens:,} answer tokens "
+            f"repeat an earlier {REPEAT_NGRAM}-gram of their answer ({self.share(self.early_repeated, self.early_tokens)} "
+            f"in the first {EARLY_TOKENS}, {self.share(late_r, late_t)} after); {capped}"
+        )
+
+
+def repetition_stats(samples: Any) -> RepetitionStats:
+    """Repetition over every answer (loss run) of `samples` (a Dataset split or any iterable of Samples)."""
+    st = RepetitionStats()
+    for s in samples:
+        m = s.loss_mask.astype(np.int8)
+        edges = np.flatnonzero(np.diff(np.concatenate([[0], m, [0]])))  # starts and ends of the loss runs
+        finish = s.meta.get("finish") or []
+        for k, (a, b) in enumerate(zip(edges[::2].tolist(), edges[1::2].tolist(), strict=True)):
+            rep = repeated_tokens(s.input_ids[a:b])
+            st.answers += 1
+            st.tokens += b - a
+            st.repeated += int(rep.sum())
+            st.early_tokens += min(b - a, EARLY_TOKENS)
+            st.early_repeated += int(rep[:EARLY_TOKENS].sum())
+            if k < len(finish):
+                st.with_finish += 1
+                st.capped += finish[k] == "length"
+    return st
+
+
 def inspect_dataset(path: str, *, split: str = "train", index: int = 0, tokenizer: str | None = None,
                     bins: int = 10) -> str:  # fmt: skip
     first = open_dataset(path, split)
@@ -55,6 +126,9 @@ def inspect_dataset(path: str, *, split: str = "train", index: int = 0, tokenize
             f"  {sp:5s} {m['counts'][sp]:>8,} samples {t['total']:>13,} tokens {t['loss']:>13,} loss tokens ({frac:.0%})"
         )
     lines.append(f"  dropped: {m.get('dropped') or 'nothing'}")
+    cap = (m.get("generation") or {}).get("max_new_tokens")
+    for sp in SPLITS:
+        lines.append(repetition_stats(first if sp == split else open_dataset(path, sp)).line(sp, cap))
     lines.append(f"length histogram ({split}, tokens per sample):")
     lines += histogram(first.lengths, bins)
     if len(first) == 0:

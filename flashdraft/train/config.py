@@ -205,6 +205,27 @@ class TelemetryConfig:
 
 
 @dataclass
+class EvalConfig:
+    """Validation τ inside the trainer (flashdraft/train/validation.py): every `every` optimizer steps the replay of
+    `flashdraft eval` over fixed held-out references — chain τ, the best DDTree budget's τ, the top-k streak — logged
+    as val/* (metrics.jsonl, TensorBoard, the progress bar). The target's pass over the references runs once at
+    start-up; each validation costs the drafter's replay only."""
+
+    every: int = 0  # optimizer steps between validations (and the schedule's last step); 0: off
+    # a JSONL of {"id", "prompt_ids", "tokens"}: prompts and the target's greedy continuations (a run with `dataset`
+    # writes one: RUN/val_references.jsonl); or leave empty and name `dataset`
+    references: str = ""
+    # an eval prompt set (humaneval, sharegpt-heldout, humaneval:PATH, a dataset folder): its references are computed
+    # once at start-up as `flashdraft eval` computes them (cached) and saved to RUN/val_references.jsonl
+    dataset: str = ""
+    limit: int | None = 32  # the first N prompts (or reference lines); None: all
+    max_new_tokens: int = 256  # reference tokens replayed per prompt (the eval's length)
+    # DDTree budgets (one tree walk at the largest serves them all); val/ddtree_tau is the best budget's τ
+    budgets: list[int] = field(default_factory=lambda: [8, 16, 32, 64, 128, 256, 512])
+    topk: int = 8  # the top-k streak's k (val/topk_streak); 0: none
+
+
+@dataclass
 class TrainConfig:
     run_dir: str = "runs/default"  # the run folder (layout: flashdraft/train/checkpoint.py)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -216,6 +237,7 @@ class TrainConfig:
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     def validate(self) -> None:
         """Field-level checks that do not need the target (check_pair covers the rest)."""
@@ -335,6 +357,21 @@ class TrainConfig:
             raise ConfigError(f"distributed.strategy {self.distributed.strategy!r}: use ddp or fsdp2")
         if self.distributed.backend not in ("auto", "nccl", "gloo"):
             raise ConfigError(f"distributed.backend {self.distributed.backend!r}: use auto, nccl or gloo")
+        e = self.eval
+        if e.every < 0:
+            raise ConfigError(f"eval.every {e.every} must be >= 0 (0: no validation)")
+        if e.every and bool(e.references) == bool(e.dataset):
+            raise ConfigError(
+                "eval.every > 0 needs exactly one of eval.references (a JSONL of prompt_ids + tokens) and "
+                "eval.dataset (e.g. humaneval), or eval.every=0"
+            )
+        if e.limit is not None and e.limit < 1:
+            raise ConfigError(f"eval.limit {e.limit} must be >= 1 (or null: all)")
+        if e.max_new_tokens < 2 or not e.budgets or any(b < 1 for b in e.budgets) or e.topk < 0:
+            raise ConfigError(
+                "eval: max_new_tokens >= 2, budgets a non-empty list of DDTree budgets >= 1 (e.g. [8, 64, 512]), "
+                "topk >= 0"
+            )
 
 
 def removed_off_values(section: str) -> dict[str, Any]:

@@ -253,9 +253,15 @@ def _train(
             if ctx.is_main:
                 print(f"loss.softmax_vocab={vocab.size}: {vocab.coverage:.2%} of the training labels are inside it",
                       file=sys.stderr)  # fmt: skip
+        validation = None
+        if cfg.eval.every > 0:  # held-out references and the target's pass over them, once
+            from flashdraft.train.validation import build_validation
+
+            progress = cfg.telemetry.progress
+            validation = build_validation(cfg.eval, target, drafter, run, heads=heads, progress=progress)
         kw: dict[str, Any] = dict(
             run_dir=run, model=model, logger=logger, device=device, compute_dtype=prec.compute,
-            attention=attention, on_step_end=on_step_end, vocab=vocab, signals=signals,
+            attention=attention, on_step_end=on_step_end, vocab=vocab, signals=signals, validation=validation,
         )  # fmt: skip
         if ctx.active:
             trainer: Trainer = DistributedTrainer(cfg, heads, drafter, source, ctx=ctx, **kw)

@@ -70,6 +70,7 @@ class RunSummary:
     updated: float | None = None  # unix time of the newest metrics line
     evals: list[dict[str, Any]] = field(default_factory=list)  # eval/log.jsonl, one per step, by step
     state: RunState | None = None
+    last_val: dict[str, Any] | None = None  # the last metrics line with a validation (val/*, eval.every)
 
     @property
     def eta_s(self) -> float | None:
@@ -137,6 +138,7 @@ def summarize(run: str | os.PathLike[str]) -> RunSummary:
         checkpoints=ckpts, last_eval=evals[max(evals)] if evals else None,
         updated=last.get("time") if metrics else None, evals=[evals[k] for k in sorted(evals)],
         state=run_state(run, beat, step, time.time()),
+        last_val=next((m for m in reversed(metrics) if "val/chain_tau" in m), None),
     )  # fmt: skip
 
 
@@ -200,6 +202,22 @@ def _duration(s: float | None) -> str:
     if s < 172800:
         return f"{s // 3600}h{(s % 3600) // 60:02d}m"
     return f"{s // 86400}d"
+
+
+def _streak(last: dict[str, Any]) -> Any:
+    """The training streak τ proxy (`tau_proxy` in metrics written before it was named train_streak_tau)."""
+    return last.get("train_streak_tau", last.get("tau_proxy"))
+
+
+def _val_line(v: dict[str, Any] | None) -> list[str]:
+    """The last validation (eval.every), or none."""
+    if v is None:
+        return []
+    topk = f", top-k streak {_num(v.get('val/topk_streak'), '.2f')}" if "val/topk_streak" in v else ""
+    return [
+        f"- validation at step {v.get('step', '-')}: chain τ {_num(v.get('val/chain_tau'), '.2f')}, DDTree τ "
+        f"{_num(v.get('val/ddtree_tau'), '.2f')} (budget {_num(v.get('val/ddtree_budget'), '.0f')}){topk}"
+    ]
 
 
 def _eval_tau(e: dict[str, Any] | None) -> str:
@@ -273,7 +291,7 @@ def list_runs(root: str | os.PathLike[str]) -> list[str]:
         state = s.state.state if s.state else "-"
         lines.append(
             f"{p.name:<32} {state:<9} {str(s.step) + total:>12} {_num(s.last.get('loss')):>8} "
-            f"{_num(s.last.get('tau_proxy'), '.2f'):>8} {_eval_tau(s.last_eval):>7} {age:>7}"
+            f"{_num(_streak(s.last), '.2f'):>8} {_eval_tau(s.last_eval):>7} {age:>7}"
         )
     return lines
 
@@ -325,8 +343,9 @@ def status_markdown(s: RunSummary, now: float | None = None) -> str:
         f"- ETA {_duration(s.eta_s) if s.state is None or s.state.state in ('running', 'unknown') else '- (not running)'}",
         "",
         "## Last metrics (step " + str(last.get("step", "-")) + ")",
-        f"- loss {_num(last.get('loss'))}, acc {_num(last.get('acc'))}, τ proxy {_num(last.get('tau_proxy'), '.2f')} "
-        "(mean streak of correct slots + 1: a proxy, not a decoding τ)",
+        f"- loss {_num(last.get('loss'))}, acc {_num(last.get('acc'))}, τ proxy {_num(_streak(last), '.2f')} "
+        "(mean streak of correct slots + 1 over every training anchor: a proxy, not a decoding τ)",
+        *_val_line(s.last_val),
         f"- lr {_num(last.get('lr'), '.2e')}, grad norm {_num(last.get('grad_norm'))}, "
         f"skipped steps {last.get('skipped_steps', '-')}",
         f"- queue: {queue_health(last)}",

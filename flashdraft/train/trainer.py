@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -47,6 +47,9 @@ from flashdraft.train.metrics import MetricsLogger
 from flashdraft.train.source import FeatureSource
 from flashdraft.train.step import micro_step
 from flashdraft.train.vocab import LabelVocab, restrict_labels
+
+if TYPE_CHECKING:  # the validation's eval imports load only where eval.every is on (launch.py)
+    from flashdraft.train.validation import Validation
 
 # named step phases in torch.profiler tables (benchmarks/train_throughput.py)
 _phase = torch.profiler.record_function
@@ -143,6 +146,7 @@ class Trainer:
         vocab: LabelVocab | None = None,  # loss.softmax_vocab: the label tokens the loss's softmax runs over
         signals: RunSignals
         | None = None,  # installed by the caller at start-up; None: run() installs its own
+        validation: Validation | None = None,  # eval.every: held-out τ every N steps (train/validation.py)
     ) -> None:
         self.cfg = cfg
         self.target, self.drafter, self.source = target, drafter, source
@@ -157,6 +161,8 @@ class Trainer:
         fb = cfg.runtime.flex_block_size
         self.flex_block_size = (fb[0], fb[1])  # the BlockMask's (Q, KV) tile
         self.on_step_end = on_step_end
+        self.validation = validation
+        self._val_values: dict[str, float] = {}  # the last validation's val/* keys, until logged
         b = drafter.config.block_size
         self.block_size, self.mask_token_id = b, drafter.config.mask_token_id
         self.weights = slot_weights(b, cfg.loss.gamma)
@@ -371,7 +377,11 @@ class Trainer:
                             bar.refresh()
                         if line is not None and self.rank == 0:
                             (bar.write if bar is not None else print)(line, file=sys.stderr)
-                if self.step % cfg.telemetry.log_every == 0 or self.step == self.total_steps:
+                if self.validation is not None and self.validation.due(self.step, self.total_steps):
+                    self._val_values = self.validation.run(self.drafter, self.ema).values()
+                    interval.start += self._val_values["val/seconds"]  # not training: out of the throughput
+                logged = self.step % cfg.telemetry.log_every == 0 or self.step == self.total_steps
+                if logged or self._val_values:
                     last = self._log(interval, bar)
                     interval = Interval(self.block_size, self.device)
                 # every rank must take the same decision at the same step (one all-reduce under torchrun)
@@ -501,7 +511,9 @@ class Trainer:
             "grad_norm": float(iv.grad_norm_sum) / good if good else float("nan"),
             "acc": float(iv.slot_correct.sum()) / labelled if labelled else 0.0,
             "slot_acc": slot_acc,
-            "tau_proxy": float(iv.streak_sum) / max(float(iv.blocks), 1.0) + 1.0,
+            # 1 + the mean streak of correct slots over *every* anchor of the interval's training blocks: not a
+            # decoding τ (chain rounds start where the last one stopped, on held-out text) — val/* are (eval.every)
+            "train_streak_tau": float(iv.streak_sum) / max(float(iv.blocks), 1.0) + 1.0,
             "tokens_per_s": iv.tokens / elapsed,
             "anchors_per_s": iv.anchors / elapsed,
             "step_time_s": elapsed / max(iv.steps, 1),
@@ -515,9 +527,14 @@ class Trainer:
         peak = self.cfg.telemetry.peak_tflops
         if peak is not None:
             values["mfu"] = values["model_tflops_per_s"] / peak  # this rank's device
+        values.update(self._val_values)
+        self._val_values = {}
         self.logger.log(self.step, values)
         if bar is not None:
-            bar.set_postfix(loss=f"{values['loss']:.3f}", tau=f"{values['tau_proxy']:.2f}", refresh=False)
+            post = {"loss": f"{values['loss']:.3f}", "streak_tau": f"{values['train_streak_tau']:.2f}"}
+            if self.validation is not None and self.validation.last is not None:
+                post["val_chain_tau"] = f"{self.validation.last.chain_tau:.2f}"
+            bar.set_postfix(post, refresh=False)
         if bad:
             print(
                 f"warning: step {self.step}: skipped {bad} step(s) with a non-finite loss or gradient",

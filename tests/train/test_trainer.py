@@ -76,9 +76,9 @@ def test_checkpoints_layout_retention_and_best_by_eval(tmp_path):
     steps = [m["step"] for m in read_metrics(run)]
     assert steps == [1, 2, 3, 4, 5, 6]
     m = read_metrics(run)[-1]
-    for key in ("loss", "lr", "grad_norm", "slot_acc", "tau_proxy", "tokens_per_s", "anchors_per_s"):
+    for key in ("loss", "lr", "grad_norm", "slot_acc", "train_streak_tau", "tokens_per_s", "anchors_per_s"):
         assert key in m, key
-    assert len(m["slot_acc"]) == 7 and m["tau_proxy"] >= 1.0 and math.isfinite(m["loss"])
+    assert len(m["slot_acc"]) == 7 and m["train_streak_tau"] >= 1.0 and math.isfinite(m["loss"])
     # best-by-eval survives keep-last pruning
     (run / "eval").mkdir()
     (run / "eval" / "log.jsonl").write_text(

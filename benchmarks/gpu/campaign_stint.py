@@ -1,0 +1,482 @@
+"""One campaign stint on a warm CUDA host: fresh data, merged with what earlier stints made, training from the
+last weights, an eval — the weights (and the new data when it fits) sent back after every phase.
+
+    python3 benchmarks/gpu/campaign_stint.py --stint 3 --init-from models/smollm2-135m-instruct-dflash-b16 \
+        --prev-data .data/campaign-s2 --budget-min 9.3 --regen-min 3 --eval-min 0
+    python3 benchmarks/gpu/campaign_stint.py --stint 3 --phases train --budget-min 9.3              # the next call
+    python3 benchmarks/gpu/campaign_stint.py --stint 3 --phases train,eval --budget-min 9.3 --eval-min 3
+    python3 benchmarks/gpu/campaign_stint.py --stint 3 ... --dry-run        # the command lines as JSON, nothing run
+
+A device call runs at most 10 minutes, so a 30-minute stint is three calls on the same warm machine (its work
+folder, /root/work/stint-K, survives between back-to-back calls): the first regenerates for --regen-min minutes,
+merges and trains; the next ones train further (each call's training is one LR schedule, warm-up included, from
+the previous call's last weights: `runtime.fit_steps_to_time_limit` fits a schedule to the minutes a call has);
+the last also evaluates. Training takes every minute the other phases leave (--budget-min minus regen, eval and
+the minute kept for shipping). Before stage.sh: `benchmarks/gpu/README.md`.
+
+Fresh data each stint (`plan_for`): the stint index picks the sampling seed, the temperature and how many user
+turns of each ShareGPT conversation are answered, so sample ids (`…@T0.9s103`) never repeat an earlier
+stint's and `data merge` keeps every stint's answers. Only ShareGPT-layout chats are trained on
+(`check_training_input`): HumanEval is the eval, and the other sources read user files (`messages:`,
+`prompts:`), which could hold prompts derived from the Python standard library's documentation or source; every
+regeneration and merge drops training prompts sharing a word 13-gram with HumanEval (`--contamination`).
+
+What comes back in --out ($OUT, at most 8 files): stint.json (minutes per phase, training minutes and steps,
+new and cumulative samples / loss tokens, the last validation τ, the eval's τ; one line of
+benchmarks/results/campaign/stints.jsonl, which benchmarks/plot_learning_curve.py draws), stint.log, and
+bundle.tar in 15 MiB parts with SHA256 (join with /work/shared/scripts/join-parts): drafter/ (bf16), the last
+training run's metrics.jsonl, config.yaml and val_references.jsonl, the eval reports, and new-data/ (this
+stint's regenerated dataset) when the bundle stays under --bundle-mib.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIG = REPO / "configs" / "smollm2-b16.yaml"
+# the sources the campaign trains on: ShareGPT-layout chats (users' conversations, none generated from the Python
+# standard library's docs or source). `flashdraft data sources` lists the others: humaneval (the eval itself),
+# messages / prompts (user files of unknown provenance)
+CAMPAIGN_SOURCES = ("sharegpt",)
+TEMPERATURES = (0.7, 0.9, 1.0)  # sampled answers: other answers to the same prompts at every stint
+SEED_BASE = 100  # the shipped drafter's data used seeds 0..2: stint seeds start above them
+SHIP_MIN = 1.0  # minutes kept at the end of a call for the bf16 drafter, the tar and its parts
+# of the training phase's minutes, those before the trainer's clock starts (target load, validation references,
+# the teacher-forced pass) and after it stops (the last checkpoint); runtime.time_limit_min gets the rest
+TRAIN_OVERHEAD_MIN = 1.0
+
+
+class StintError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class StintPlan:
+    temperature: float
+    seed: int
+    max_turns: int  # user turns answered per conversation (1: first turns; more: later turns too)
+
+
+def plan_for(stint: int) -> StintPlan:
+    """The data of stint `stint`: a new seed every stint, temperatures and answered turns in rotation."""
+    if stint < 0:
+        raise StintError(f"--stint {stint} must be >= 0")
+    return StintPlan(TEMPERATURES[stint % len(TEMPERATURES)], SEED_BASE + stint, 1 + stint % 3)
+
+
+def check_training_input(spec: str) -> str:
+    """`spec` unchanged when the campaign may train on it; else a StintError saying why."""
+    name = spec.partition(":")[0] if ":" in spec else spec
+    if name in CAMPAIGN_SOURCES:
+        return spec
+    if name == "humaneval":
+        raise StintError(f"--input {spec}: HumanEval is the eval set, never training data")
+    raise StintError(
+        f"--input {spec}: the campaign trains only on {', '.join(CAMPAIGN_SOURCES)} sources (NAME or NAME:PATH). "
+        "User files (messages:, prompts:, a bare path) may hold prompts derived from the Python standard library's "
+        "documentation or source, which no training prompt may be; review such a source, then add it to "
+        "CAMPAIGN_SOURCES"
+    )
+
+
+@dataclass(frozen=True)
+class Budget:
+    regen: float
+    eval: float
+    train: float  # the rest
+
+    @classmethod
+    def split(cls, total: float, regen: float, eval_: float, elapsed: float = 0.0) -> Budget:
+        train = total - elapsed - regen - eval_ - SHIP_MIN
+        if train < 1.0:
+            raise StintError(
+                f"--budget-min {total:g} leaves {train:.1f} training minutes after {elapsed:.1f} spent, regen "
+                f"{regen:g}, eval {eval_:g} and {SHIP_MIN:g} for shipping: lower --regen-min / --eval-min"
+            )
+        return cls(regen, eval_, round(train, 2))
+
+
+def regen_args(a: argparse.Namespace, plan: StintPlan, out: Path, minutes: float) -> list[str]:
+    args = [
+        "data", "regenerate", "--target", a.target, "--out", str(out), "--device", "cuda", "--dtype", "bfloat16",
+        "--engine", "native", "--batch-size", "512", "--max-batch-tokens", "2500000",
+        "--max-new-tokens", str(a.max_new_tokens), "--shard-size", "4096", "--max-turns", str(plan.max_turns),
+        "--temperature", str(plan.temperature), "--seed", str(plan.seed), "--time-limit", str(minutes),
+        "--contamination", f"humaneval:{a.humaneval}",
+    ]  # fmt: skip
+    for spec in a.input:
+        args += ["--input", check_training_input(spec)]
+    return args
+
+
+def merge_args(a: argparse.Namespace, prev: Path, new: Path, out: Path) -> list[str]:
+    return [
+        "data",
+        "merge",
+        str(prev),
+        str(new),
+        "--out",
+        str(out),
+        "--contamination",
+        f"humaneval:{a.humaneval}",
+    ]
+
+
+def train_args(
+    a: argparse.Namespace, data: Path, run: Path, init_from: str, minutes: float, val_refs: str | None = None
+) -> list[str]:
+    """A fresh LR schedule from `init_from`, fitted to the phase's `minutes` less TRAIN_OVERHEAD_MIN (warm-up
+    included); validated on `val_refs` (a val_references.jsonl) or on HumanEval references computed at start-up."""
+    refs = val_refs or a.val_references
+    val = [f"eval.references={refs}", "eval.dataset="] if refs else [f"eval.dataset=humaneval:{a.humaneval}"]
+    return [
+        "train", str(CONFIG), f"run_dir={run}", f"model.target={a.target}", f"data.dataset={data}",
+        f"model.init_from={init_from}", "optim.max_steps=1000000", f"runtime.time_limit_min={round(max(0.5, minutes - TRAIN_OVERHEAD_MIN), 2)}",
+        "runtime.fit_steps_to_time_limit=true", "checkpoint.every=200", "telemetry.progress=false",
+        "telemetry.peak_tflops=790", "runtime.compile=model,loss", "data.blocks_per_row=1024",
+        f"eval.every={a.val_every}", *val, *a.train_extra,
+    ]  # fmt: skip
+
+
+def eval_args(a: argparse.Namespace, drafter: Path, dataset: str, limit: int, out: Path) -> list[str]:
+    return [
+        "eval", "--target", a.eval_target or a.target, "--drafter", str(drafter), "--dataset", dataset,
+        "--limit", str(limit), "--max-new-tokens", "256", "--budgets", "8,16,32,64,128,256,512", "--topk", "8",
+        "--device", "cuda", "--dtype", "float32", "--no-progress", "--out", str(out),
+    ]  # fmt: skip
+
+
+def eval_sets(a: argparse.Namespace) -> dict[str, tuple[str, int]]:
+    """--eval-set NAME=SPEC@LIMIT, or HumanEval and the committed held-out ShareGPT split."""
+    if not a.eval_set:
+        return {
+            "humaneval": (f"humaneval:{a.humaneval}", 48),
+            "sharegpt": (str(REPO / "benchmarks/results/h200-2026-12-02-sharegpt-heldout-split"), 40),
+        }
+    out = {}
+    for item in a.eval_set:
+        name, _, rest = item.partition("=")
+        spec, _, limit = rest.rpartition("@")
+        if not name or not spec or not limit.isdigit():
+            raise StintError(
+                f"--eval-set {item!r}: use NAME=SPEC@LIMIT, e.g. humaneval=humaneval:HE.jsonl.gz@164"
+            )
+        out[name] = (spec, int(limit))
+    return out
+
+
+# ----------------------------------------------------------------------------- the stint
+
+
+class Stint:
+    """Phases on the work folder; the state (minutes, what is done) in WORK/state.json, so a later call goes on."""
+
+    def __init__(self, a: argparse.Namespace) -> None:
+        self.a = a
+        self.work = Path(a.work or f"/root/work/stint-{a.stint}")
+        self.out = Path(a.out or os.environ.get("OUT", "out"))
+        self.state_path = self.work / "state.json"
+        self.state: dict[str, Any] = {"stint": a.stint, "plan": asdict(plan_for(a.stint)), "minutes": {},
+                                      "done": [], "train_runs": [], "calls": 0}  # fmt: skip
+        if self.state_path.is_file():
+            self.state = json.loads(self.state_path.read_text())
+        self.t0 = time.perf_counter()
+        self.log = self.out / "stint.log"
+
+    def elapsed_min(self) -> float:
+        return (time.perf_counter() - self.t0) / 60
+
+    def save_state(self) -> None:
+        tmp = self.state_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.state, indent=1))
+        tmp.replace(self.state_path)
+
+    def run(self, phase: str, args: list[str], timeout_min: float) -> int:
+        """`python -m flashdraft.cli ARGS`, its output appended to stint.log; its minutes counted for `phase`."""
+        t = time.perf_counter()
+        with self.log.open("a") as f:
+            f.write(f"\n$ flashdraft {' '.join(args)}\n")
+            f.flush()
+            try:
+                rc = subprocess.run([sys.executable, "-m", "flashdraft.cli", *args], stdout=f, stderr=subprocess.STDOUT,
+                                    timeout=timeout_min * 60, cwd=REPO).returncode  # fmt: skip
+            except subprocess.TimeoutExpired:
+                rc = 124
+            f.write(f"[{phase}: exit {rc}, {(time.perf_counter() - t) / 60:.2f} min]\n")
+        m = self.state["minutes"]
+        m[phase] = round(m.get(phase, 0.0) + (time.perf_counter() - t) / 60, 3)
+        return rc
+
+    @property
+    def data(self) -> Path:
+        return self.work / "data"
+
+    def regen(self, minutes: float) -> None:
+        new = self.work / "new"
+        if "regen" in self.state["done"]:
+            return
+        rc = self.run("regen", regen_args(self.a, plan_for(self.a.stint), new, minutes), minutes + 2.5)
+        if rc != 0 or not (new / "manifest.json").is_file():
+            raise StintError(f"regeneration failed (exit {rc}): see stint.log")
+        self.state["done"].append("regen")
+
+    def merge(self) -> None:
+        if "merge" in self.state["done"]:
+            return
+        new, prev = self.work / "new", Path(self.a.prev_data) if self.a.prev_data else None
+        if prev is None:
+            shutil.copytree(new, self.data, dirs_exist_ok=False)
+        elif self.run("merge", merge_args(self.a, prev, new, self.data), 5.0) != 0:
+            raise StintError("data merge failed: see stint.log")
+        self.state["done"].append("merge")
+
+    def train(self, minutes: float) -> None:
+        runs = self.state["train_runs"]
+        init, refs = self.a.init_from, None
+        if runs:  # a later call: the previous call's last weights and validation references
+            last = sorted((self.work / runs[-1] / "checkpoints").glob("step-*"))
+            init = str(last[-1] / "drafter") if last else init
+            saved = self.work / runs[-1] / "val_references.jsonl"
+            refs = str(saved) if saved.is_file() else None
+        data = Path(self.a.data) if self.a.data else self.data
+        run = self.work / f"train-{len(runs) + 1}"
+        runs.append(run.name)
+        self.save_state()
+        # the trainer stops itself at its time limit; the timeout is only a guard (checkpoints every 200 steps)
+        self.run("train", train_args(self.a, data, run, init, minutes, refs), minutes + 0.5)
+
+    def evaluate(self, minutes: float, drafter: Path) -> None:
+        sets = eval_sets(self.a)
+        for name, (spec, limit) in sets.items():
+            left = minutes - self.state["minutes"].get("eval", 0.0)
+            if left <= 0.2:
+                break
+            self.run("eval", eval_args(self.a, drafter, spec, limit, self.work / "eval" / name), left)
+
+    # ------------------------------------------------------------------ what comes back
+
+    def last_checkpoint(self) -> Path | None:
+        for name in reversed(self.state["train_runs"]):
+            cks = sorted((self.work / name / "checkpoints").glob("step-*"))
+            if cks:
+                return cks[-1]
+        return None
+
+    def summary(self) -> dict[str, Any]:
+        def manifest(p: Path) -> dict[str, Any]:
+            f = p / "manifest.json"
+            return json.loads(f.read_text()) if f.is_file() else {}
+
+        new, cum = manifest(self.work / "new"), manifest(Path(self.a.data) if self.a.data else self.data)
+        steps, loop_s, val_s, val = 0, 0.0, 0.0, {}
+        for name in self.state["train_runs"]:
+            lines = [json.loads(x) for x in (self.work / name / "metrics.jsonl").read_text().splitlines()
+                     if x.strip()] if (self.work / name / "metrics.jsonl").is_file() else []  # fmt: skip
+            steps += max((int(m["step"]) for m in lines), default=0)
+            prev = 0
+            for m in lines:  # the optimizer steps' own time (no start-up, compile or validation)
+                loop_s += float(m.get("step_time_s", 0.0)) * (int(m["step"]) - prev)
+                val_s += float(m.get("val/seconds", 0.0))
+                prev = int(m["step"])
+            val = next(({k: v for k, v in m.items() if k.startswith("val/")} for m in reversed(lines)
+                        if "val/chain_tau" in m), val)  # fmt: skip
+        evals = {}
+        for rep in sorted((self.work / "eval").glob("*/report.json")):
+            r = json.loads(rep.read_text())
+            d = next(iter(r["drafters"].values()))
+            trees = {k: v["tau"] for k, v in d["methods"].items() if k.startswith("ddtree-")}
+            best = max(trees, key=trees.get) if trees else None
+            evals[rep.parent.name] = {"prompts": d["samples"], "chain_tau": d["methods"]["chain"]["tau"],
+                                      "ddtree_tau": trees.get(best), "ddtree_budget": best,
+                                      "topk8_streak": d["methods"].get("topk-8", {}).get("tau")}  # fmt: skip
+        m = self.state["minutes"]
+        return {
+            "stint": self.a.stint, "date": time.strftime("%Y-%m-%d", time.gmtime()), "card": _card(),
+            "plan": self.state["plan"], "minutes": m, "train_minutes": m.get("train", 0.0),
+            "train_loop_minutes": round(loop_s / 60, 3), "val_minutes": round(val_s / 60, 3),
+            "gpu_minutes": round(sum(m.values()), 3), "train_steps": steps, "calls": self.state["calls"],
+            "init_from": self.a.init_from,
+            "new": {"samples": (new.get("counts") or {}).get("train"),
+                    "loss_tokens": ((new.get("tokens") or {}).get("train") or {}).get("loss")},
+            "cumulative": {"samples": (cum.get("counts") or {}).get("train"),
+                           "loss_tokens": ((cum.get("tokens") or {}).get("train") or {}).get("loss")},
+            "val": val, "eval": evals,
+        }  # fmt: skip
+
+    def ship(self) -> None:
+        """stint.json and bundle.tar's parts into --out, replacing the ones an earlier phase of this call wrote."""
+        t = time.perf_counter()
+        self.out.mkdir(parents=True, exist_ok=True)
+        for p in self.out.glob("bundle.tar.part*"):
+            p.unlink()
+        members: list[tuple[Path, str]] = []
+        ck = self.last_checkpoint()
+        if ck is not None:
+            bf16 = self.work / "drafter-bf16"
+            subprocess.run(
+                [sys.executable, "-c", _SAVE_BF16, str(ck / "drafter"), str(bf16)], check=True, cwd=REPO
+            )
+            members.append((bf16, "drafter"))
+            run = ck.parent.parent
+            members += [(run / n, n) for n in ("metrics.jsonl", "config.yaml", "val_references.jsonl")
+                        if (run / n).is_file()]  # fmt: skip
+        if (self.work / "eval").is_dir():
+            members.append((self.work / "eval", "eval"))
+        size = sum(_size(p) for p, _ in members)
+        new = self.work / "new"
+        if new.is_dir() and size + _size(new) <= self.a.bundle_mib * 2**20:
+            members.append((new, "new-data"))
+        self.state["minutes"]["ship"] = round(
+            self.state["minutes"].get("ship", 0.0) + (time.perf_counter() - t) / 60, 3
+        )
+        self.save_state()
+        (self.out / "stint.json").write_text(json.dumps(self.summary(), indent=1) + "\n")
+        if members:
+            tar = self.work / "bundle.tar"
+            with tarfile.open(tar, "w") as tf:
+                for p, name in members:
+                    tf.add(p, arcname=name)
+            subprocess.run(
+                ["bash", str(REPO / "benchmarks/gpu/split15.sh"), str(tar), str(self.out)], check=True
+            )
+
+
+_SAVE_BF16 = """import sys, torch
+from flashdraft.drafter import DFlashDrafter
+DFlashDrafter.from_pretrained(sys.argv[1]).save_pretrained(sys.argv[2], dtype=torch.bfloat16)"""
+
+
+def _size(p: Path) -> int:
+    return p.stat().st_size if p.is_file() else sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+
+
+def _card() -> str:
+    try:
+        import torch
+
+        return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    except Exception:  # noqa: BLE001 — the summary names what it can
+        return "unknown"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--stint", type=int, required=True, help="stint index: picks seed, temperature, turns")
+    p.add_argument("--phases", default="regen,merge,train,eval", help="comma-separated, in this order")
+    p.add_argument(
+        "--budget-min", type=float, default=9.3, help="minutes this call may use (a device call: 10)"
+    )
+    p.add_argument("--regen-min", type=float, default=3.0)
+    p.add_argument(
+        "--eval-min", type=float, default=0.0, help="0: no eval phase (the trainer's val/* still log)"
+    )
+    p.add_argument("--target", default=os.environ.get("TARGET", "/root/work/smollm2-bf16"))
+    p.add_argument("--eval-target", default=None, help="the eval's float32 target (default: --target)")
+    p.add_argument(
+        "--init-from", default="models/smollm2-135m-instruct-dflash-b16", help="the last shipped weights"
+    )
+    p.add_argument("--prev-data", default=None, help="the cumulative dataset of earlier stints (carried)")
+    p.add_argument("--data", default=None, help="train on this dataset instead of regen + merge")
+    p.add_argument(
+        "--input", action="append", default=None, help="training prompts (default: the staged ShareGPT)"
+    )
+    p.add_argument(
+        "--humaneval", default="/root/stage/HumanEval.jsonl.gz", help="HumanEval for contamination"
+    )
+    p.add_argument("--max-new-tokens", type=int, default=512, help="regeneration cap per answer")
+    p.add_argument("--val-every", type=int, default=1000, help="trainer validation interval (eval.every)")
+    p.add_argument(
+        "--val-references", default=None, help="the trainer's validation references (a run's file)"
+    )
+    p.add_argument("--eval-set", action="append", default=None, help="NAME=SPEC@LIMIT (repeatable)")
+    p.add_argument("--train-extra", nargs="*", default=[], help="more key=value training overrides")
+    p.add_argument(
+        "--bundle-mib", type=float, default=60.0, help="new data rides in the bundle below this size"
+    )
+    p.add_argument("--work", default=None, help="work folder (default /root/work/stint-K)")
+    p.add_argument("--out", default=None, help="what comes back (default $OUT)")
+    p.add_argument(
+        "--dry-run", action="store_true", help="print the plan and command lines as JSON; run nothing"
+    )
+    a = p.parse_args(argv)
+    a.input = a.input or ["sharegpt:/root/stage/sharegpt_compact.json.gz"]
+    for spec in a.input:
+        check_training_input(spec)
+    return a
+
+
+def commands(a: argparse.Namespace, budget: Budget) -> dict[str, Any]:
+    """Every command line the stint would run this call (the dry run's output; tests parse them with the CLI)."""
+    work = Path(a.work or f"/root/work/stint-{a.stint}")
+    data = Path(a.data) if a.data else work / "data"
+    out: dict[str, Any] = {"plan": asdict(plan_for(a.stint)), "budget": asdict(budget)}
+    phases = a.phases.split(",")
+    if "regen" in phases and not a.data:
+        out["regen"] = regen_args(a, plan_for(a.stint), work / "new", budget.regen)
+    if "merge" in phases and not a.data and a.prev_data:
+        out["merge"] = merge_args(a, Path(a.prev_data), work / "new", data)
+    if "train" in phases:
+        out["train"] = train_args(a, data, work / "train-1", a.init_from, budget.train)
+    if "eval" in phases and budget.eval > 0:
+        out["eval"] = [
+            eval_args(a, work / "drafter-bf16", s, n, work / "eval" / k) for k, (s, n) in eval_sets(a).items()
+        ]
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        a = parse_args(argv)
+        phases = [p for p in a.phases.split(",") if p]
+        unknown = set(phases) - {"regen", "merge", "train", "eval"}
+        if unknown:
+            raise StintError(f"--phases: unknown {sorted(unknown)}; use regen, merge, train, eval")
+        regen = a.regen_min if "regen" in phases and not a.data else 0.0
+        budget = Budget.split(a.budget_min, regen, a.eval_min if "eval" in phases else 0.0)
+        if a.dry_run:
+            print(json.dumps(commands(a, budget), indent=1))
+            return 0
+        if not Path(a.humaneval).is_file():
+            raise StintError(
+                f"--humaneval {a.humaneval}: not found (stage it: the contamination check needs it)"
+            )
+        st = Stint(a)
+        st.work.mkdir(parents=True, exist_ok=True)
+        st.out.mkdir(parents=True, exist_ok=True)
+        st.state["calls"] += 1
+        if "regen" in phases and not a.data:
+            st.regen(budget.regen)
+            st.ship()  # the new data comes back even if the machine goes before training ends
+        if "merge" in phases and not a.data:
+            st.merge()
+        if "train" in phases:
+            # the rest of this call's minutes, less eval and shipping (regen may have ended early or late)
+            left = a.budget_min - st.elapsed_min() - budget.eval - SHIP_MIN
+            if left >= 1.0:
+                st.train(round(left, 2))
+            st.ship()
+        if "eval" in phases and budget.eval > 0 and (st.work / "drafter-bf16").is_dir():
+            st.evaluate(budget.eval, st.work / "drafter-bf16")
+            st.ship()
+        st.save_state()
+        return 0
+    except StintError as e:
+        print(f"campaign_stint: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""The campaign's learning curve: chain and best-DDTree τ against cumulative GPU training minutes and against
+distinct training tokens, from a JSONL of stints (one benchmarks/gpu/campaign_stint.py stint.json per line).
+
+    python benchmarks/plot_learning_curve.py benchmarks/results/campaign/stints.jsonl --out curve.png --table
+
+A row needs "stint", "train_minutes" (this stint's; the plot adds them up in stint order), "cumulative":
+{"loss_tokens"} and "eval": {SET: {"chain_tau", "ddtree_tau"}}; a row without an eval plots its trainer
+validation ("val": {"val/chain_tau", "val/ddtree_tau"}) as the set "val". A starting point (the drafter the
+campaign began from) is a row like any other, with its own training minutes and tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class CurvePoint:
+    stint: int
+    train_minutes: float  # cumulative, up to and including this stint
+    loss_tokens: int  # distinct training (loss) tokens of the data trained on so far
+    tau: dict[str, tuple[float, float | None]]  # set -> (chain τ, best DDTree τ)
+
+
+def read_rows(path: str | Path) -> list[dict[str, Any]]:
+    rows = []
+    for n, line in enumerate(Path(path).read_text().splitlines(), start=1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise SystemExit(f"{path}:{n}: not JSON ({e.msg}): fix or remove the line") from None
+    return rows
+
+
+def curve(rows: list[dict[str, Any]]) -> list[CurvePoint]:
+    """Rows in stint order, training minutes accumulated, τ per eval set (or the trainer's validation)."""
+    out, minutes = [], 0.0
+    for r in sorted(rows, key=lambda r: r["stint"]):
+        minutes += float(r.get("train_minutes") or 0.0)
+        tau = {k: (float(v["chain_tau"]), v.get("ddtree_tau")) for k, v in (r.get("eval") or {}).items()}
+        val = r.get("val") or {}
+        if not tau and "val/chain_tau" in val:
+            tau["val"] = (float(val["val/chain_tau"]), val.get("val/ddtree_tau"))
+        out.append(
+            CurvePoint(
+                int(r["stint"]),
+                round(minutes, 3),
+                int((r.get("cumulative") or {}).get("loss_tokens") or 0),
+                tau,
+            )
+        )
+    return out
+
+
+def table(points: list[CurvePoint]) -> str:
+    """The results page's table: one row per stint, chain / best DDTree τ per set."""
+    sets = sorted({s for p in points for s in p.tau})
+    head = "| stint | GPU training min (cumulative) | distinct loss tokens | " + " | ".join(
+        f"{s} chain / DDTree τ" for s in sets) + " |"  # fmt: skip
+    lines = [head, "|" + "---:|" * (3 + len(sets))]
+    for p in points:
+        cells = []
+        for s in sets:
+            c, d = p.tau.get(s, (None, None))
+            cells.append("-" if c is None else f"{c:.2f} / {d:.2f}" if d is not None else f"{c:.2f} / -")
+        lines.append(
+            f"| {p.stint} | {p.train_minutes:.1f} | {p.loss_tokens / 1e6:.2f}M | " + " | ".join(cells) + " |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(points: list[CurvePoint], out: str | Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    sets = sorted({s for p in points for s in p.tau})
+    for ax, xkey, xlabel in ((axes[0], "train_minutes", "cumulative GPU training minutes"),
+                             (axes[1], "loss_tokens", "distinct training (loss) tokens, millions")):  # fmt: skip
+        for k, s in enumerate(sets):
+            pts = [p for p in points if s in p.tau]
+            xs = [getattr(p, xkey) / (1e6 if xkey == "loss_tokens" else 1) for p in pts]
+            color = f"C{k}"
+            ax.plot(xs, [p.tau[s][0] for p in pts], marker="o", color=color, label=f"{s} chain")
+            tree = [(x, p.tau[s][1]) for x, p in zip(xs, pts, strict=True) if p.tau[s][1] is not None]
+            if tree:
+                ax.plot([x for x, _ in tree], [y for _, y in tree], marker="s", ls="--", color=color,
+                        label=f"{s} best DDTree")  # fmt: skip
+        ax.set_xlabel(xlabel)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("τ (accepted tokens per round)")
+    axes[0].legend(fontsize=8)
+    fig.suptitle("drafter learning curve (one point per stint)")
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("stints", help="JSONL: one stint.json per line")
+    ap.add_argument("--out", required=True, help="the PNG to write")
+    ap.add_argument("--table", action="store_true", help="also print the markdown table")
+    a = ap.parse_args(argv)
+    points = curve(read_rows(a.stints))
+    if not points:
+        raise SystemExit(f"{a.stints}: no stints")
+    plot(points, a.out)
+    if a.table:
+        print(table(points), end="")
+    print(f"wrote {a.out}: {len(points)} stints")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,242 @@
+"""benchmarks/gpu/campaign_stint.py on a CPU: its command lines parse with the real CLI into a valid training
+config, fresh data every stint, only ShareGPT trained on, the budget split, what one phase ships back."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from flashdraft.config import ConfigError, load_config
+from flashdraft.drafter import DFlashDrafter
+from flashdraft.train.config import TrainConfig
+from flashdraft.train.launch import build_drafter
+from tests.conftest import tiny_drafter, tiny_target
+from tests.test_quickstart import _parse
+
+REPO = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location(
+    "campaign_stint", REPO / "benchmarks" / "gpu" / "campaign_stint.py"
+)
+cs = importlib.util.module_from_spec(_spec)  # type: ignore[arg-type]
+sys.modules["campaign_stint"] = cs  # dataclasses look their module up while the script is executed
+_spec.loader.exec_module(cs)  # type: ignore[union-attr]
+
+HE = "/root/stage/HumanEval.jsonl.gz"
+CONFIG_PATH = REPO / "configs" / "smollm2-b16.yaml"
+
+
+def test_dry_run_commands_parse_with_the_cli(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--stint", "4", "--prev-data", "/c/prev", "--budget-min", "9.5", "--regen-min", "3", "--eval-min", "2",
+            "--work", "/w", "--dry-run"]  # fmt: skip
+    assert cs.main(argv) == 0
+    cmd = json.loads(capsys.readouterr().out)
+    plan = cs.plan_for(4)
+    assert cmd["budget"] == {
+        "regen": 3.0,
+        "eval": 2.0,
+        "train": 3.5,
+    }  # training takes the rest, 1 min shipping
+    regen = _parse(cmd["regen"])
+    assert regen["input"] == ["sharegpt:/root/stage/sharegpt_compact.json.gz"] and regen["out"] == "/w/new"
+    assert regen["contamination"] == [f"humaneval:{HE}"]  # the HumanEval check on, with the staged copy
+    assert (regen["seed"], regen["temperature"], regen["max_turns"]) == (
+        plan.seed,
+        plan.temperature,
+        plan.max_turns,
+    )
+    assert regen["time_limit"] == 3.0 and regen["device"] == "cuda" and regen["engine"] == "native"
+    merge = _parse(cmd["merge"])
+    assert merge["inputs"] == ["/c/prev", "/w/new"] and merge["out"] == "/w/data"
+    assert merge["contamination"] == [f"humaneval:{HE}"]
+    train = _parse(cmd["train"])
+    cfg = load_config(TrainConfig, train["config"], train["overrides"])
+    cfg.validate()
+    assert cfg.model.init_from == "models/smollm2-135m-instruct-dflash-b16" and cfg.data.dataset == "/w/data"
+    assert cfg.runtime.time_limit_min == 2.5 and cfg.runtime.fit_steps_to_time_limit  # 1 min start-up
+    assert cfg.eval.every == 1000 and cfg.eval.dataset == f"humaneval:{HE}"
+    assert not train["resume"]
+    evals = [_parse(e) for e in cmd["eval"]]
+    assert [(e["dataset"], e["limit"], e["dtype"]) for e in evals] == [
+        (f"humaneval:{HE}", 48, "float32"),
+        (str(REPO / "benchmarks/results/h200-2026-12-02-sharegpt-heldout-split"), 40, "float32"),
+    ]
+    assert all(e["drafter"] == [Path("/w/drafter-bf16")] for e in evals)
+
+
+def test_a_later_call_trains_on_given_data_without_regeneration(capsys: pytest.CaptureFixture[str]) -> None:
+    assert (
+        cs.main(["--stint", "4", "--phases", "train", "--data", "/c/all", "--work", "/w", "--dry-run"]) == 0
+    )
+    cmd = json.loads(capsys.readouterr().out)
+    assert (
+        set(cmd) == {"plan", "budget", "train"} and cmd["budget"]["train"] == 8.3
+    )  # 9.3 less 1 for shipping
+    assert "data.dataset=/c/all" in cmd["train"]
+    assert "eval.dataset=humaneval:/root/stage/HumanEval.jsonl.gz" in cmd["train"]
+    args = cs.parse_args(["--stint", "4", "--val-references", "/c/refs.jsonl"])
+    cfg = load_config(TrainConfig, CONFIG_PATH, cs.train_args(args, Path("/d"), Path("/r"), "m", 5.0)[2:])
+    assert cfg.eval.references == "/c/refs.jsonl" and cfg.eval.dataset == ""
+    cfg.validate()  # exactly one of eval.references and eval.dataset
+
+
+def test_every_stint_samples_new_answers() -> None:
+    plans = [cs.plan_for(k) for k in range(9)]
+    assert len({(p.seed, p.temperature) for p in plans}) == 9  # sample ids "@T{t}s{seed}" never repeat
+    assert {p.max_turns for p in plans} == {1, 2, 3} and all(p.temperature > 0 for p in plans)
+    assert min(p.seed for p in plans) > 2  # the shipped drafter's data used seeds 0..2
+
+
+@pytest.mark.parametrize(
+    "spec", ["humaneval", f"humaneval:{HE}", "messages:chats.jsonl", "prompts:p.txt", "x.jsonl"]
+)
+def test_only_sharegpt_is_trained_on(spec: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cs.main(["--stint", "1", "--input", spec, "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"campaign_stint: --input {spec}:")
+    assert ("eval set" in err) if spec.startswith("humaneval") else ("standard library" in err)
+    assert cs.check_training_input("sharegpt") == "sharegpt"
+    assert cs.check_training_input("sharegpt:/s/x.json.gz") == "sharegpt:/s/x.json.gz"
+
+
+def test_budget_too_small_for_training_names_the_flags() -> None:
+    assert cs.Budget.split(9.0, 3.0, 2.0) == cs.Budget(3.0, 2.0, 3.0)
+    with pytest.raises(cs.StintError, match="lower --regen-min / --eval-min"):
+        cs.Budget.split(5.0, 3.0, 1.0)
+
+
+def test_init_from_a_drafter_folder_starts_from_its_weights(tmp_path: Path) -> None:
+    t = tiny_target("llama", dtype=torch.float32)
+    d = tiny_drafter(t, block_size=8)
+    d.save_pretrained(tmp_path / "d")
+    cfg = load_config(
+        TrainConfig, None, ["data.dataset=x", "model.block_size=8", f"model.init_from={tmp_path / 'd'}"]
+    )
+    got = build_drafter(cfg, t, torch.device("cpu"), torch.float32)
+    assert got.training and all(
+        torch.equal(a, b) for a, b in zip(got.state_dict().values(), d.state_dict().values(), strict=True)
+    )
+    cfg.model.block_size = 16
+    with pytest.raises(ConfigError, match="set model.block_size=8"):
+        build_drafter(cfg, t, torch.device("cpu"), torch.float32)
+
+
+def _manifest(path: Path, samples: int, loss: int) -> None:
+    path.mkdir(parents=True)
+    (path / "manifest.json").write_text(
+        json.dumps({"counts": {"train": samples}, "tokens": {"train": {"loss": loss}}})
+    )
+
+
+def test_ship_writes_the_summary_and_a_bundle_that_joins(tmp_path: Path) -> None:
+    work, out = tmp_path / "w", tmp_path / "out"
+    a = cs.parse_args(["--stint", "2", "--work", str(work), "--out", str(out)])
+    st = cs.Stint(a)
+    out.mkdir()
+    _manifest(work / "new", 100, 40_000)
+    _manifest(work / "data", 350, 150_000)
+    ck = work / "train-1" / "checkpoints" / "step-00000020"
+    tiny_drafter(tiny_target("llama", dtype=torch.float32), block_size=8).save_pretrained(ck / "drafter")
+    lines = [{"step": 10, "step_time_s": 0.3, "val/chain_tau": 2.0}, {"step": 20, "step_time_s": 0.3, "loss": 1.0},
+             {"step": 20, "val/chain_tau": 2.5, "val/ddtree_tau": 4.0, "val/seconds": 6.0}]  # fmt: skip
+    (work / "train-1" / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    rep = work / "eval" / "humaneval" / "report.json"
+    rep.parent.mkdir(parents=True)
+    rep.write_text(
+        json.dumps(
+            {
+                "drafters": {
+                    "d": {
+                        "samples": 48,
+                        "methods": {
+                            "chain": {"tau": 3.1},
+                            "ddtree-8": {"tau": 4.0},
+                            "ddtree-512": {"tau": 5.2},
+                            "topk-8": {"tau": 5.0},
+                        },
+                    }
+                }
+            }
+        )
+    )
+    st.state.update(train_runs=["train-1"], minutes={"regen": 3.0, "train": 5.0}, calls=1)
+    st.ship()
+    s = json.loads((out / "stint.json").read_text())
+    assert s["stint"] == 2 and s["train_minutes"] == 5.0 and s["train_steps"] == 20
+    assert s["train_loop_minutes"] == 0.1 and s["val_minutes"] == 0.1  # 20 steps x 0.3 s; one 6 s validation
+    assert s["new"] == {"samples": 100, "loss_tokens": 40_000} and s["cumulative"] == {
+        "samples": 350,
+        "loss_tokens": 150_000,
+    }
+    assert s["val"] == {"val/chain_tau": 2.5, "val/ddtree_tau": 4.0, "val/seconds": 6.0}
+    assert s["eval"]["humaneval"] == {"prompts": 48, "chain_tau": 3.1, "ddtree_tau": 5.2, "ddtree_budget": "ddtree-512",
+                                      "topk8_streak": 5.0}  # fmt: skip
+    assert s["gpu_minutes"] >= 8.0 and s["plan"] == {"temperature": 1.0, "seed": 102, "max_turns": 3}
+    parts = sorted(out.glob("bundle.tar.part*"))
+    assert parts and (out / "SHA256").is_file() and len(list(out.iterdir())) <= 8
+    joined = tmp_path / "bundle.tar"
+    subprocess.run(["bash", "-c", f"cat {' '.join(map(str, parts))} > {joined}"], check=True)
+    want = (out / "SHA256").read_text().split()[0]
+    assert (
+        subprocess.run(["sha256sum", str(joined)], capture_output=True, text=True).stdout.split()[0] == want
+    )
+    with tarfile.open(joined) as tf:
+        names = tf.getnames()
+    assert {"drafter/config.json", "drafter/model.safetensors", "metrics.jsonl", "eval/humaneval/report.json",
+            "new-data/manifest.json"} <= set(names)  # fmt: skip
+    d = DFlashDrafter.from_pretrained(work / "drafter-bf16")
+    assert next(d.parameters()).dtype == torch.bfloat16
+
+
+_pspec = importlib.util.spec_from_file_location(
+    "plot_learning_curve", REPO / "benchmarks" / "plot_learning_curve.py"
+)
+plc = importlib.util.module_from_spec(_pspec)  # type: ignore[arg-type]
+sys.modules["plot_learning_curve"] = plc
+_pspec.loader.exec_module(plc)  # type: ignore[union-attr]
+
+
+def test_learning_curve_accumulates_minutes_and_plots(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rows = [
+        {"stint": 2, "train_minutes": 25.0, "cumulative": {"loss_tokens": 21_000_000},
+         "eval": {"humaneval": {"chain_tau": 3.4, "ddtree_tau": 5.6}, "sharegpt": {"chain_tau": 3.1, "ddtree_tau": None}}},
+        {"stint": 0, "train_minutes": 36.0, "cumulative": {"loss_tokens": 13_070_000},
+         "eval": {"humaneval": {"chain_tau": 3.0, "ddtree_tau": 5.0}}},
+        {"stint": 1, "train_minutes": 20.0, "cumulative": {"loss_tokens": 17_000_000},
+         "val": {"val/chain_tau": 3.2, "val/ddtree_tau": 5.3}},
+    ]  # fmt: skip
+    f = tmp_path / "stints.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    pts = plc.curve(plc.read_rows(f))
+    assert [(p.stint, p.train_minutes, p.loss_tokens) for p in pts] == [
+        (0, 36.0, 13_070_000), (1, 56.0, 17_000_000), (2, 81.0, 21_000_000)]  # fmt: skip
+    assert pts[1].tau == {"val": (3.2, 5.3)} and pts[2].tau["sharegpt"] == (3.1, None)
+    plc.main([str(f), "--out", str(tmp_path / "c.png"), "--table"])
+    text = capsys.readouterr().out
+    assert "| 2 | 81.0 | 21.00M | 3.40 / 5.60 | 3.10 / - | - |" in text
+    assert (tmp_path / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_later_call_trains_from_the_last_call_s_weights_and_references(tmp_path: Path) -> None:
+    st = cs.Stint(cs.parse_args(["--stint", "5", "--work", str(tmp_path), "--out", str(tmp_path / "out")]))
+    ck = tmp_path / "train-1" / "checkpoints" / "step-00000400"
+    (ck / "drafter").mkdir(parents=True)
+    (tmp_path / "train-1" / "val_references.jsonl").write_text("{}\n")
+    st.state["train_runs"] = ["train-1"]
+    ran: list[list[str]] = []
+    st.run = lambda phase, args, timeout_min: ran.append(args) or 0  # type: ignore[method-assign]
+    st.train(6.0)
+    train = _parse(ran[0])
+    assert f"run_dir={tmp_path / 'train-2'}" in train["overrides"]
+    assert f"model.init_from={ck / 'drafter'}" in train["overrides"]
+    cfg = load_config(TrainConfig, train["config"], train["overrides"])
+    assert cfg.eval.references == str(tmp_path / "train-1" / "val_references.jsonl") and not cfg.eval.dataset
+    assert st.state["train_runs"] == ["train-1", "train-2"]
