@@ -24,7 +24,7 @@ regeneration and merge drops training prompts sharing a word 13-gram with HumanE
 What comes back in --out ($OUT, at most 8 files): stint.json (minutes per phase, training minutes and steps,
 new and cumulative samples / loss tokens, the last validation τ, the eval's τ; one line of
 benchmarks/results/campaign/stints.jsonl, which benchmarks/plot_learning_curve.py draws), stint.log, and
-bundle.tar in 15 MiB parts with SHA256 (join with /work/shared/scripts/join-parts): drafter/ (bf16), the last
+bundle.tar in 15 MiB parts with SHA256 (join with `bash benchmarks/gpu/parts.sh join bundle.tar bundle.tar.part*`): drafter/ (bf16), the last
 training run's metrics.jsonl, config.yaml and val_references.jsonl, the eval reports, and new-data/ (this
 stint's regenerated dataset) when the bundle stays under --bundle-mib.
 """
@@ -348,7 +348,7 @@ class Stint:
                 for p, name in members:
                     tf.add(p, arcname=name)
             subprocess.run(
-                ["bash", str(REPO / "benchmarks/gpu/split15.sh"), str(tar), str(self.out)], check=True
+                ["bash", str(REPO / "benchmarks/gpu/parts.sh"), "split", str(tar), str(self.out)], check=True
             )
 
 
