@@ -181,7 +181,9 @@ def test_ship_writes_the_summary_and_a_bundle_that_joins(tmp_path: Path) -> None
     parts = sorted(out.glob("bundle.tar.part*"))
     assert parts and (out / "SHA256").is_file() and len(list(out.iterdir())) <= 8
     joined = tmp_path / "bundle.tar"
-    subprocess.run(["bash", str(REPO / "benchmarks/gpu/parts.sh"), "join", str(joined), *map(str, parts)], check=True)
+    subprocess.run(
+        ["bash", str(REPO / "benchmarks/gpu/parts.sh"), "join", str(joined), *map(str, parts)], check=True
+    )
     want = (out / "SHA256").read_text().split()[0]
     assert (
         subprocess.run(["sha256sum", str(joined)], capture_output=True, text=True).stdout.split()[0] == want
