@@ -457,3 +457,13 @@ def test_drafter_started_from_the_target_trains(tmp_path):
 def test_init_from_target_config_errors(tmp_path, overrides, message):
     with pytest.raises(ConfigError, match=message):
         make_trainer(tmp_path, overrides)
+
+
+def test_optim_epochs_sets_the_schedule_when_max_steps_is_unset(tmp_path):
+    """optim.epochs: passes over the data, turned into optimizer steps; optim.max_steps overrides it."""
+    trainers = [make_trainer(tmp_path / str(e), ["optim.max_steps=null", f"optim.epochs={e}"]) for e in (1, 3)]
+    per_epoch = trainers[0].source.micro_batches_per_epoch()
+    accum = trainers[0].cfg.optim.grad_accum
+    assert per_epoch > 1
+    assert [t.total_steps for t in trainers] == [math.ceil(per_epoch * e / accum) for e in (1, 3)]
+    assert make_trainer(tmp_path / "m", ["optim.max_steps=5", "optim.epochs=3"]).total_steps == 5
