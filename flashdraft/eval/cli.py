@@ -81,10 +81,21 @@ def register(app: typer.Typer) -> None:
             None,
             "--ref-batch",
             help="rows per batched greedy reference generation; 1 = exact single-sequence AR "
-            "(default: 16 on CPU, 1 on CUDA where the fast engine already does AR)",
+            "(default: 16 on CPU, 256 on CUDA through the batched native engine)",
         ),
         cache_dir: Path | None = typer.Option(
             None, help="reference cache (default ~/.cache/flashdraft/references)"
+        ),
+        references: Path | None = typer.Option(
+            None,
+            "--references",
+            help="a frozen reference file (benchmarks/yardstick/*.jsonl): its prompts "
+            "and tokens, checked against this target and cut at the first disagreement (replaces --dataset)",
+        ),  # fmt: skip
+        ref_engine: str | None = typer.Option(
+            None,
+            "--ref-engine",
+            help="batched references: loop | native (default: native on CUDA, loop on CPU)",
         ),
         progress: bool = typer.Option(True, help="progress bars"),
     ) -> None:
@@ -103,6 +114,8 @@ def register(app: typer.Typer) -> None:
             _fail("give --drafter PATH (repeatable) or --watch RUN_DIR")
         if ref_batch is not None and ref_batch < 1:
             _fail(f"--ref-batch {ref_batch} must be >= 1 (1 = exact single-sequence AR)")
+        if ref_engine is not None and ref_engine not in ("loop", "native"):
+            _fail(f"--ref-engine {ref_engine!r}: use loop or native")
         b_list, k_list = _ints(budgets, "--budgets"), _ints(topk, "--topk") if topk.strip() else []
         torch_dtype = _parse_dtype(dtype)
         resolved = []
@@ -124,11 +137,27 @@ def register(app: typer.Typer) -> None:
             except (ValueError, FileNotFoundError) as e:
                 _fail(f"drafter {folder}: {e}")
             models[name] = d
-        prompts = load_eval_prompts(dataset, t, limit)
+        frozen = None
+        if references is not None:
+            from flashdraft.eval.prompts import EvalPrompt
+            from flashdraft.eval.references import read_frozen
+
+            try:
+                frozen = read_frozen(references, limit)
+            except (ValueError, FileNotFoundError) as e:
+                _fail(str(e))
+            if max_new_tokens > frozen.max_new_tokens or temperature != 0:
+                _fail(f"{references} holds greedy references of {frozen.max_new_tokens} tokens: use "
+                      f"--temperature 0 and --max-new-tokens {frozen.max_new_tokens} or less")  # fmt: skip
+            prompts = [EvalPrompt(r.id, r.prompt_ids, r.template) for r in frozen.references]
+            dataset = references.stem
+        else:
+            prompts = load_eval_prompts(dataset, t, limit)
         srv = ServerConfig(server, server_model, concurrency) if server else None
         kwargs = dict(
             budgets=b_list, topk=k_list, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
             cache_dir=cache_dir, server=srv, ref_batch=ref_batch, dataset=dataset, progress=progress,
+            ref_engine=ref_engine, frozen=frozen,
         )  # fmt: skip
 
         if watch is not None:
