@@ -189,7 +189,7 @@ def register(app: typer.Typer) -> None:
         ),
         limit: int = typer.Option(8, help="prompts to generate for"),
         methods: str = typer.Option(
-            "ar,chain,ddtree:16,ddtree:64", help="ar, chain, ddtree:N (comma-separated)"
+            "ar,chain,ddtree:16,ddtree:64", help="ar, chain, ddtree:N, auto (comma-separated)"
         ),
         max_new_tokens: int = typer.Option(128),
         temperature: float = typer.Option(0.0),
@@ -197,6 +197,9 @@ def register(app: typer.Typer) -> None:
         dtype: str = typer.Option("float32"),
         engine: str = typer.Option("auto", help="auto (fast on CUDA) | reference | fast"),
         warmup: int = typer.Option(1, help="untimed runs per method before timing"),
+        tau_report: Path | None = typer.Option(
+            None, help="method auto: a `flashdraft eval` report.json giving the drafter's τ per budget"
+        ),
         out: Path | None = typer.Option(None, help="write bench.json / bench.md here"),
         progress: bool = typer.Option(True),
     ) -> None:
@@ -224,6 +227,7 @@ def register(app: typer.Typer) -> None:
             report = bench(
                 t, d, prompts, methods=methods, max_new_tokens=max_new_tokens, temperature=temperature,
                 engine=engine, warmup=warmup, dataset=dataset, drafter_name=dname, progress=progress,
+                tau_report=str(tau_report) if tau_report else None,
             )  # fmt: skip
         except ValueError as e:
             _fail(str(e))
