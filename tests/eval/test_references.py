@@ -371,3 +371,30 @@ def test_frozen_references_cut_at_first_disagreement(tmp_path) -> None:
     path.write_text(path.read_text() + '{"format": "x"}\n')
     with pytest.raises(ValueError, match=r"set.jsonl:4: not a frozen reference line"):
         read_frozen(path)
+
+
+def test_eval_command_scores_a_frozen_file(tmp_path) -> None:
+    """`flashdraft eval --references FILE` takes prompts and tokens from the file (no --dataset), reports the
+    frozen source, and refuses a longer --max-new-tokens than the file holds with the fix."""
+    from typer.testing import CliRunner
+
+    from flashdraft.cli import app
+    from flashdraft.eval.references import write_frozen
+    from flashdraft.target import load_target
+
+    target = tiny_target("llama")
+    target.model.save_pretrained(tmp_path / "target")
+    tiny_drafter(target).save_pretrained(tmp_path / "d")
+    loaded = load_target(str(tmp_path / "target"), dtype="float64")
+    s = ReferenceSettings(max_new_tokens=10, stop_token_ids=[])
+    refs = compute_references(loaded, PROMPTS, s, cache_dir=tmp_path / "c", progress=False).references
+    frozen = write_frozen(tmp_path / "y.jsonl", refs, loaded, s)
+    base = ["eval", "--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "d"), "--references",
+            str(frozen), "--budgets", "4", "--topk", "", "--dtype", "float64", "--no-progress"]  # fmt: skip
+    r = CliRunner().invoke(app, [*base, "--max-new-tokens", "10", "--out", str(tmp_path / "out")])
+    assert r.exit_code == 0, r.output
+    rep = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert rep["references"]["source"] == "frozen:y.jsonl" and rep["references"]["count"] == 3
+    assert rep["references"]["agreement_rate"] == 1.0 and rep["dataset"] == "y"
+    r = CliRunner().invoke(app, [*base, "--max-new-tokens", "20"])
+    assert r.exit_code == 2 and "--max-new-tokens 10 or less" in r.stderr
