@@ -201,7 +201,8 @@ class AutoPolicy:
     prior_weight: float = 8.0  # rounds of pseudo-count behind each starting τ
     period: int = 4  # rounds between two choices inside a generation
     observed: dict[str, list[int]] = field(default_factory=dict)  # label -> [rounds, tokens committed]
-    history: list[str] = field(default_factory=list)  # every choice made, in order
+    history: list[str] = field(default_factory=list)  # the choices in order, a repeat recorded once
+    counts: dict[str, int] = field(default_factory=dict)  # label -> times chosen
 
     def __post_init__(self) -> None:
         missing = [k for k in self.seconds if k != "ar" and k not in self.start_tau]
@@ -242,11 +243,18 @@ class AutoPolicy:
 
     def choice(self) -> Choice:
         if self.ar_final:
+            self._record("ar")
             return "ar", None  # nothing is learned while AR runs: AR stays
         r = self.rates()
         best = max(r, key=lambda k: (r[k], k == "ar"))  # ties go to AR
-        self.history.append(best)
+        self._record(best)
         return parse_label(best)
+
+    def _record(self, lab: str) -> None:
+        self.counts[lab] = self.counts.get(lab, 0) + 1
+        if not self.history or self.history[-1] != lab:
+            self.history.append(lab)
+            del self.history[:-1000]  # a server's policy lives long: keep the recent switches
 
     def observe(self, choice: Choice, accepted: list[int]) -> None:
         """Tokens committed per round while `choice` ran."""

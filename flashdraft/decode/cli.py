@@ -168,9 +168,8 @@ def register(app: typer.Typer) -> None:
         else:
             typer.echo(" ".join(str(x) for x in res.tokens))
         label = f"ddtree-{n_budget}" if method == "ddtree" else method
-        if policy is not None:  # the methods auto ran, in order, without repeats
-            ran = [c for i, c in enumerate(policy.history) if i == 0 or policy.history[i - 1] != c]
-            label = f"auto: {' → '.join(ran)}"
+        if policy is not None:  # the methods auto ran, in order
+            label = f"auto: {' → '.join(policy.history)}"
         typer.echo(
             f"[{label}] {len(res.tokens)} tokens, {res.rounds} rounds, mean τ {res.mean_acceptance:.2f}, "
             f"{res.tokens_per_second:.1f} tok/s, stop: {res.stop_reason} (prompt {res.prompt_tokens} tokens)",

@@ -177,9 +177,7 @@ def bench(
             r.speedup = ar.tpot_ms / r.tpot_ms
     notes = []
     if policy is not None:
-        from collections import Counter
-
-        ran = ", ".join(f"{k} ×{n}" for k, n in Counter(policy.history).items())
+        ran = ", ".join(f"{k} ×{n}" for k, n in policy.counts.items())
         cost = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in policy.seconds.items())
         notes.append(f"auto chose (per choice): {ran}; calibrated round cost: {cost}")
     if engine == "fast" or (engine == "auto" and target.device.type == "cuda"):

@@ -114,6 +114,7 @@ def test_policy_picks_by_expected_rate_and_falls_back_to_ar() -> None:
     # a CPU-like table: a chain round costs 4.5 AR steps, a tree round more; τ 2.5-3: AR wins, and stays
     cpu = AutoPolicy({"ar": 0.1, "chain": 0.45, "ddtree:8": 0.5}, {"chain": 2.7, "ddtree:8": 3.1})
     assert cpu.choice() == ("ar", None) and cpu.choice() == ("ar", None)
+    assert cpu.history == ["ar"] and cpu.counts == {"ar": 2}  # a repeat is counted, recorded once
     # a GPU-like table: a tree round costs 1.6 AR steps; DDTree-8 wins on its τ
     gpu = AutoPolicy({"ar": 1.0, "chain": 1.4, "ddtree:8": 1.6}, {"chain": 2.7, "ddtree:8": 3.1})
     assert gpu.choice() == ("ddtree", 8)
