@@ -398,3 +398,16 @@ def test_eval_command_scores_a_frozen_file(tmp_path) -> None:
     assert rep["references"]["agreement_rate"] == 1.0 and rep["dataset"] == "y"
     r = CliRunner().invoke(app, [*base, "--max-new-tokens", "20"])
     assert r.exit_code == 2 and "--max-new-tokens 10 or less" in r.stderr
+
+
+def test_frozen_file_is_a_prompt_set(tmp_path) -> None:
+    """`--dataset FROZEN.jsonl` (bench, eval) gives the prompts the frozen references were made from."""
+    from flashdraft.eval.prompts import load_eval_prompts
+    from flashdraft.eval.references import write_frozen
+
+    target = tiny_target("llama")
+    s = ReferenceSettings(max_new_tokens=4, stop_token_ids=[])
+    refs = compute_references(target, MIXED, s, cache_dir=tmp_path, progress=False).references
+    path = write_frozen(tmp_path / "set.jsonl", refs, target, s)
+    got = load_eval_prompts(str(path), target, limit=3)
+    assert [(p.id, p.input_ids) for p in got] == [(p.id, p.input_ids) for p in MIXED[:3]]
