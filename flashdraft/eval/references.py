@@ -439,6 +439,7 @@ def write_frozen(
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     with os.fdopen(fd, "w") as f:
         f.write("".join(line + "\n" for line in lines))
+    os.chmod(tmp, 0o644)  # a file to commit and share (mkstemp makes it owner-only)
     os.replace(tmp, path)
     return path
 
