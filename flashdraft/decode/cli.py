@@ -1,6 +1,7 @@
 """`flashdraft generate`: one completion with speculative decoding, then a one-line summary.
 
 flashdraft generate --drafter RUN --prompt "Write a haiku about rain" --chat
+flashdraft generate --prompt "def fib(n):"                 # --method auto: AR, chain or a DDTree budget, by speed
 flashdraft generate --prompt "def fib(n):" --method ddtree --budget 8     # default target + shipped drafter
 flashdraft generate --method ar --prompt "Hello" --chat --temperature 0.7 --seed 1
 flashdraft generate --target ./tiny --drafter ./tiny-drafter --prompt-ids 5,17,33   # no tokenizer needed
@@ -49,11 +50,19 @@ def register(app: typer.Typer) -> None:
         ),
         target: str = typer.Option("default", help="HF folder, hub-style id, .gguf path, or 'default'"),
         drafter: str | None = typer.Option(
-            None, help="drafter folder, checkpoint folder, or run folder (latest); default target: the shipped one"
+            None,
+            help="drafter folder, checkpoint folder, or run folder (latest); default target: the shipped one",
         ),
         chat: bool = typer.Option(False, "--chat", help="wrap the prompt in the tokenizer's chat template"),
-        method: str = typer.Option("chain", help="chain | ddtree | ar"),
-        budget: int | None = typer.Option(None, help="DDTree nodes excluding the root (method ddtree)"),
+        method: str = typer.Option(
+            "auto", help="auto (the fastest of AR, chain and DDTree budgets here) | chain | ddtree | ar"
+        ),
+        budget: str | None = typer.Option(
+            None, help="DDTree nodes excluding the root (method ddtree), or 'auto' (= --method auto)"
+        ),
+        tau_report: Path | None = typer.Option(
+            None, help="--method auto: a `flashdraft eval` report.json giving the drafter's τ per budget"
+        ),
         temperature: float = typer.Option(0.0, help="0 = greedy"),
         top_p: float = typer.Option(1.0),
         top_k: int = typer.Option(0, help="0 = off"),
@@ -66,7 +75,8 @@ def register(app: typer.Typer) -> None:
             "sdpa", help="target attention: sdpa | eager (ddtree cannot use flash-attention)"
         ),
         engine: str = typer.Option(
-            "auto", help="auto (the CUDA-graph engine on CUDA, the reference decoder on CPU) | fast | reference"
+            "auto",
+            help="auto (the CUDA-graph engine on CUDA, the reference decoder on CPU) | fast | reference",
         ),
     ) -> None:
         """Generate one completion with DFlash speculative decoding and print a summary line."""
@@ -77,6 +87,11 @@ def register(app: typer.Typer) -> None:
         from flashdraft.drafter import DFlashDrafter
         from flashdraft.target import check_pair, load_target
 
+        if budget == "auto":
+            method, budget = "auto", None
+        if budget is not None and not budget.isdigit():
+            raise typer.BadParameter(f"--budget {budget!r}: a node count or 'auto'", param_hint="--budget")
+        n_budget = int(budget) if budget is not None else None
         if method not in METHODS:
             raise typer.BadParameter(
                 f"unknown method {method!r}: use one of {', '.join(METHODS)}", param_hint="--method"
@@ -89,9 +104,12 @@ def register(app: typer.Typer) -> None:
             from flashdraft.target import shipped_drafter
 
             shipped = shipped_drafter(target)  # the default target's drafter from models/, when present
-            if shipped is None:
+            if shipped is None and method == "auto":
+                method = "ar"  # nothing to draft with: auto is AR
+            elif shipped is None:
                 raise typer.BadParameter(f"--method {method} needs --drafter (or use --method ar)")
-            drafter = str(shipped)
+            else:
+                drafter = str(shipped)
         # a bad target, drafter or pair is a one-line error (flashdraft/cli.py's handler)
         t = load_target(target, dtype=dtype, device=device, attn_implementation=attn)
         d = None
@@ -126,18 +144,28 @@ def register(app: typer.Typer) -> None:
                 ids = tok(prompt, return_tensors="pt")["input_ids"][0]
         stop = [] if ignore_eos or tok is None else _stop_ids(tok, t.model)
         if engine not in ("auto", "fast", "reference"):
-            raise typer.BadParameter(f"unknown engine {engine!r}: use auto, fast or reference", param_hint="--engine")
+            raise typer.BadParameter(
+                f"unknown engine {engine!r}: use auto, fast or reference", param_hint="--engine"
+            )
         if engine == "fast" or (engine == "auto" and t.device.type == "cuda"):
             from flashdraft.decode.engine import generate as run_generate  # noqa: F811  (same signature, token-identical)
+        policy = None
+        if method == "auto":
+            from flashdraft.decode.budget import auto_policy
+
+            fast = run_generate.__module__ == "flashdraft.decode.engine"
+            policy = auto_policy(t, d, run_generate, engine="fast" if fast else "reference", tau_report=tau_report)
         res = run_generate(
             t, d, ids, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-            method=method, budget=budget, stop_token_ids=stop, seed=seed,
+            method=method, budget=n_budget, stop_token_ids=stop, seed=seed, policy=policy,
         )  # fmt: skip
         if tok is not None:
             typer.echo(tok.decode(res.tokens, skip_special_tokens=True))
         else:
             typer.echo(" ".join(str(x) for x in res.tokens))
-        label = f"ddtree-{budget}" if method == "ddtree" else method
+        label = f"ddtree-{n_budget}" if method == "ddtree" else method
+        if policy is not None:  # the methods auto ran, in order
+            label = f"auto: {' → '.join(policy.history)}"
         typer.echo(
             f"[{label}] {len(res.tokens)} tokens, {res.rounds} rounds, mean τ {res.mean_acceptance:.2f}, "
             f"{res.tokens_per_second:.1f} tok/s, stop: {res.stop_reason} (prompt {res.prompt_tokens} tokens)",

@@ -515,10 +515,31 @@ class FastEngine:
         seed: int | None = None,
         on_tokens: Callable[[list[int]], bool | None] | None = None,
         profile: bool = False,
+        policy: Any = None,
     ) -> GenerationResult:
-        """Same contract as `flashdraft.decode.generate.generate`; `profile` fills `self.last_profile`."""
+        """Same contract as `flashdraft.decode.generate.generate`; `profile` fills `self.last_profile`.
+        Method "auto": `policy` (flashdraft/decode/budget.py) picks the method for the whole call here
+        (switching inside a call would need the AR phase to keep features) and learns from its rounds."""
         t_start = time.perf_counter()
         check_request(method, budget, max_new_tokens, self.drafter is not None)
+        if method == "auto":
+            if self.drafter is None:
+                choice: tuple[str, int | None] = ("ar", None)
+            elif policy is None:
+                raise ValueError("method 'auto' needs policy=flashdraft.decode.budget.auto_policy(...)")
+            else:
+                choice = policy.choice()
+            res = self.generate(
+                input_ids, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                method=choice[0], budget=choice[1], stop_token_ids=stop_token_ids, seed=seed, on_tokens=on_tokens,
+                profile=profile,
+            )  # fmt: skip
+            if policy is not None:
+                full = (
+                    res.acceptance_lengths[:-1] if res.stop_reason != "cancelled" else res.acceptance_lengths
+                )
+                policy.observe(choice, full)  # the last round may be truncated: it says nothing of the method
+            return res
         if method == "ddtree" and budget == 0:
             raise ValueError("budget 0 is a root-only tree: use method='ar' on the fast engine")
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)

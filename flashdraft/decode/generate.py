@@ -30,7 +30,7 @@ from flashdraft.drafter import DFlashDrafter, DrafterCache
 from flashdraft.target import TargetModel, check_pair
 from flashdraft.tree import build_tree, tree_positions, tree_visibility, walk_tree
 
-METHODS = ("chain", "ddtree", "ar")
+METHODS = ("chain", "ddtree", "ar", "auto")  # auto: flashdraft/decode/budget.py picks among the others
 
 
 @dataclass
@@ -115,7 +115,7 @@ def check_request(method: str, budget: int | None, max_new_tokens: int, has_draf
         raise ValueError(f"unknown method {method!r}: use one of {', '.join(METHODS)}")
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens {max_new_tokens} must be >= 0")
-    if method != "ar" and not has_drafter:
+    if method not in ("ar", "auto") and not has_drafter:  # auto without a drafter is AR
         raise ValueError(f"method {method!r} needs a drafter (pass drafter=..., or use method='ar')")
     if method == "ddtree":
         if budget is None:
@@ -198,6 +198,7 @@ def generate(
     seed: int | None = None,
     on_tokens: Callable[[list[int]], bool | None] | None = None,
     sync_timings: bool = False,
+    policy: Any = None,
     _round_callback: Callable[[RoundInfo], None] | None = None,
 ) -> GenerationResult:
     """Decode up to `max_new_tokens` new tokens after `input_ids`, losslessly.
@@ -209,11 +210,18 @@ def generate(
     `on_tokens(tokens)` gets the tokens committed after the prefill and after each round;
     returning False stops at once with stop_reason "cancelled" (unless that round already
     ended generation by a stop token or the length limit).
+    method "auto": `policy` (`flashdraft.decode.budget.AutoPolicy`) picks AR, the chain or a DDTree
+    budget every `policy.period` rounds and learns from each round; AR rounds then also keep the
+    drafter's context features, so any switch is lossless. Without a drafter, auto is AR.
     """
     t_start = time.perf_counter()
     if not isinstance(target, TargetModel):
         target = TargetModel(target)
     _validate(target, drafter, method, budget, max_new_tokens)
+    if method == "auto" and drafter is None:
+        method = "ar"
+    if method == "auto" and policy is None:
+        raise ValueError("method 'auto' needs policy=flashdraft.decode.budget.auto_policy(...)")
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
     device = target.device
     ids = prepare_ids(input_ids, device)  # [1, n]
@@ -263,26 +271,36 @@ def generate(
     done = commit(*truncate_round([first_tok], max_new_tokens, stop))
 
     t_decode = time.perf_counter()
+    choice: tuple[str, int | None] = (method, budget)
     while not done:
         remaining = max_new_tokens - len(result.tokens)
-        if method == "ar":
-            new = _ar_round(target, state, params, generator, timings, sync_timings)
+        if method == "auto" and result.rounds % policy.period == 0:
+            choice = policy.choice()
+        m, b = choice
+        if m == "ar":
+            # auto: AR rounds keep the drafter's context features, so a later draft round can follow
+            keep = method == "auto" and not getattr(policy, "ar_final", False)
+            new = _ar_round(
+                target, state, params, generator, timings, sync_timings, layer_ids if keep else None
+            )
         else:
             assert drafter is not None and layer_ids is not None
             draft_logits = _draft(target, drafter, state, timings, sync_timings)  # [B-1, V]
-            if method == "chain":
+            if m == "chain":
                 new = _chain_verify(
                     target, layer_ids, state, draft_logits, params, generator, remaining, stop, timings
                 )
             else:
-                assert budget is not None
+                assert b is not None
                 new = _tree_verify(
-                    target, layer_ids, state, draft_logits, budget, params, generator, remaining, stop, timings,
+                    target, layer_ids, state, draft_logits, b, params, generator, remaining, stop, timings,
                     sync_timings,
                 )  # fmt: skip
         new, reason = truncate_round(new, remaining, stop)
         result.rounds += 1
         result.acceptance_lengths.append(len(new))
+        if method == "auto" and reason is None:  # a truncated round says nothing of the method
+            policy.observe(choice, [len(new)])
         done = commit(new, reason)
     timings.decode_s = time.perf_counter() - t_decode
     timings.total_s = time.perf_counter() - t_start
@@ -311,10 +329,17 @@ def _ar_round(
     generator: torch.Generator | None,
     timings: Timings,
     sync_timings: bool,
+    layer_ids: list[int] | None = None,
 ) -> list[int]:
+    """One target step; with `layer_ids`, its features join the drafter's pending context."""
     t0 = time.perf_counter()
-    out = target.forward(state.bonus.view(1, 1), cache=state.target_cache, logits="last")
+    out = target.forward(state.bonus.view(1, 1), layer_ids=layer_ids, cache=state.target_cache, logits="last")
     assert out.logits is not None
+    if layer_ids is not None:
+        assert out.features is not None
+        state.pending = (
+            out.features if state.pending is None else torch.cat([state.pending, out.features], dim=1)
+        )
     nxt = choose_tokens(out.logits[0, -1], params, generator).view(1)  # [1]
     tok = int(nxt.item())  # host read, once per round
     state.bonus, state.position = nxt, state.position + 1

@@ -1,6 +1,7 @@
 """Speed benchmark: real generation, AR vs chain vs DDTree budgets, on one engine.
 
     flashdraft bench --drafter runs/x --dataset humaneval --limit 8 --methods ar,chain,ddtree:16,ddtree:64
+    flashdraft bench --drafter runs/x --methods auto,ar,chain,ddtree:8 --tau-report eval-reports/humaneval
     report = bench(target, drafter, prompts, methods=["ar", "chain", "ddtree:64"], max_new_tokens=128)
 
 Time per output token (TPOT), tokens/s, speedup over AR *on the same engine*, and τ, as a
@@ -9,6 +10,8 @@ table and JSON (DESIGN.md §4: speedup and τ are always reported together). The
 default on CUDA), the fast CUDA-graph engine `flashdraft.decode.engine`; a target the fast
 engine cannot run falls back to the reference one, and the report says which ran. At T=0 every
 speculative output is also compared with AR's, token for token (`identical_to_ar`).
+Method "auto" (flashdraft/decode/budget.py) is calibrated before any timing and keeps learning from
+prompt to prompt; the report's notes say what it ran.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from flashdraft.target import TargetModel, check_pair
 
 @dataclass
 class BenchRow:
-    method: str  # "ar" | "chain" | "ddtree:N"
+    method: str  # "ar" | "chain" | "ddtree:N" | "auto"
     engine: str
     prompts: int
     tokens: int
@@ -61,13 +64,13 @@ def parse_methods(text: str) -> list[tuple[str, int | None]]:
     out: list[tuple[str, int | None]] = []
     for part in text.split(","):
         p = part.strip().lower()
-        if p in ("ar", "chain"):
+        if p in ("ar", "chain", "auto"):
             out.append((p, None))
         elif p.startswith("ddtree:") and p[7:].isdigit():
             out.append(("ddtree", int(p[7:])))
         else:
             raise ValueError(
-                f"--methods: unknown method {part!r}: use ar, chain or ddtree:N (e.g. ddtree:64)"
+                f"--methods: unknown method {part!r}: use ar, chain, auto or ddtree:N (e.g. ddtree:64)"
             )
     return out
 
@@ -114,6 +117,7 @@ def bench(
     dataset: str = "",
     drafter_name: str = "",
     progress: bool = True,
+    tau_report: str | None = None,  # method auto: an eval report with the drafter's τ per budget
 ) -> BenchReport:
     from tqdm import tqdm
 
@@ -126,6 +130,11 @@ def bench(
         raise ValueError("chain / ddtree methods need a drafter (--drafter)")
     stop = stop_token_ids if stop_token_ids is not None else target_stop_ids(target)
     engine_name, gen = pick_engine(target, engine)
+    policy = None
+    if any(m == "auto" for m, _ in todo):
+        from flashdraft.decode.budget import auto_policy
+
+        policy = auto_policy(target, drafter, gen, engine=engine_name, tau_report=tau_report)
     rows: list[BenchRow] = []
     ar_tokens: list[list[int]] | None = None
     bar = tqdm(
@@ -135,7 +144,7 @@ def bench(
         label = method if budget is None else f"{method}:{budget}"
         kw: dict[str, Any] = dict(
             max_new_tokens=max_new_tokens, method=method, budget=budget, temperature=temperature,
-            stop_token_ids=stop,
+            stop_token_ids=stop, **({"policy": policy} if method == "auto" else {}),
         )  # fmt: skip
         d = None if method == "ar" else drafter
         for p in prompts[:warmup]:  # CUDA-graph capture, allocator warm-up: not timed
@@ -167,6 +176,10 @@ def bench(
         if ar is not None and r.tpot_ms > 0:
             r.speedup = ar.tpot_ms / r.tpot_ms
     notes = []
+    if policy is not None:
+        ran = ", ".join(f"{k} ×{n}" for k, n in policy.counts.items())
+        cost = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in policy.seconds.items())
+        notes.append(f"auto chose (per choice): {ran}; calibrated round cost: {cost}")
     if engine == "fast" or (engine == "auto" and target.device.type == "cuda"):
         if engine_name != "fast":
             notes.append("the fast engine could not run this target: the reference engine was used")

@@ -122,10 +122,21 @@ def register(app: typer.Typer) -> None:
             None,
             "--ref-batch",
             help="rows per batched greedy reference generation; 1 = exact single-sequence AR "
-            "(default: 16 on CPU, 1 on CUDA where the fast engine already does AR)",
+            "(default: 16 on CPU, 256 on CUDA through the batched native engine)",
         ),
         cache_dir: Path | None = typer.Option(
             None, help="reference cache (default ~/.cache/flashdraft/references)"
+        ),
+        references: Path | None = typer.Option(
+            None,
+            "--references",
+            help="a frozen reference file (benchmarks/yardstick/*.jsonl): its prompts "
+            "and tokens, checked against this target and cut at the first disagreement (replaces --dataset)",
+        ),  # fmt: skip
+        ref_engine: str | None = typer.Option(
+            None,
+            "--ref-engine",
+            help="batched references: loop | native (default: native on CUDA, loop on CPU)",
         ),
         progress: bool = typer.Option(True, help="progress bars"),
     ) -> None:
@@ -144,6 +155,8 @@ def register(app: typer.Typer) -> None:
             _fail("give --drafter PATH (repeatable) or --watch RUN_DIR")
         if ref_batch is not None and ref_batch < 1:
             _fail(f"--ref-batch {ref_batch} must be >= 1 (1 = exact single-sequence AR)")
+        if ref_engine is not None and ref_engine not in ("loop", "native"):
+            _fail(f"--ref-engine {ref_engine!r}: use loop or native")
         b_list, k_list = _ints(budgets, "--budgets"), _ints(topk, "--topk") if topk.strip() else []
         try:  # before the target loads: beside a run on CPU the evaluator yields the cores to the trainer
             resources = WatchResources.resolve(device, threads, nice, watching=watch is not None)
@@ -167,11 +180,27 @@ def register(app: typer.Typer) -> None:
             except (ValueError, FileNotFoundError) as e:
                 _fail(f"drafter {folder}: {e}")
             models[name] = d
-        prompts = load_eval_prompts(dataset, t, limit)
+        frozen = None
+        if references is not None:
+            from flashdraft.eval.prompts import EvalPrompt
+            from flashdraft.eval.references import read_frozen
+
+            try:
+                frozen = read_frozen(references, limit)
+            except (ValueError, FileNotFoundError) as e:
+                _fail(str(e))
+            if max_new_tokens > frozen.max_new_tokens or temperature != 0:
+                _fail(f"{references} holds greedy references of {frozen.max_new_tokens} tokens: use "
+                      f"--temperature 0 and --max-new-tokens {frozen.max_new_tokens} or less")  # fmt: skip
+            prompts = [EvalPrompt(r.id, r.prompt_ids, r.template) for r in frozen.references]
+            dataset = references.stem
+        else:
+            prompts = load_eval_prompts(dataset, t, limit)
         srv = ServerConfig(server, server_model, concurrency) if server else None
         kwargs = dict(
             budgets=b_list, topk=k_list, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
             cache_dir=cache_dir, server=srv, ref_batch=ref_batch, dataset=dataset, progress=progress,
+            ref_engine=ref_engine, frozen=frozen,
         )  # fmt: skip
 
         if watch is not None:
@@ -210,7 +239,7 @@ def register(app: typer.Typer) -> None:
         ),
         limit: int = typer.Option(8, help="prompts to generate for"),
         methods: str = typer.Option(
-            "ar,chain,ddtree:16,ddtree:64", help="ar, chain, ddtree:N (comma-separated)"
+            "ar,chain,ddtree:16,ddtree:64", help="ar, chain, ddtree:N, auto (comma-separated)"
         ),
         max_new_tokens: int = typer.Option(128),
         temperature: float = typer.Option(0.0),
@@ -218,6 +247,9 @@ def register(app: typer.Typer) -> None:
         dtype: str = typer.Option("float32"),
         engine: str = typer.Option("auto", help="auto (fast on CUDA) | reference | fast"),
         warmup: int = typer.Option(1, help="untimed runs per method before timing"),
+        tau_report: Path | None = typer.Option(
+            None, help="method auto: a `flashdraft eval` report.json giving the drafter's τ per budget"
+        ),
         out: Path | None = typer.Option(None, help="write bench.json / bench.md here"),
         progress: bool = typer.Option(True),
     ) -> None:
@@ -245,6 +277,7 @@ def register(app: typer.Typer) -> None:
             report = bench(
                 t, d, prompts, methods=methods, max_new_tokens=max_new_tokens, temperature=temperature,
                 engine=engine, warmup=warmup, dataset=dataset, drafter_name=dname, progress=progress,
+                tau_report=str(tau_report) if tau_report else None,
             )  # fmt: skip
         except ValueError as e:
             _fail(str(e))

@@ -6,9 +6,9 @@
 
 The pipeline per prompt: the cached reference (references.py), one teacher-forced target pass
 shared by every drafter (the union of their layer ids), then each drafter's replay
-(offline.py). References from a server or a padded batch (`ref_batch` > 1, the default on CPU) are
-not exact AR: they are checked against the local target's argmax and cut at the first
-disagreement; exact local AR references are checked too, and any float near-tie divergence
+(offline.py). References from a server, a batch (`ref_batch` > 1, the default) or a frozen file
+(`frozen=read_frozen(path)`) are not exact AR of this target: they are checked against the local
+target's argmax and cut at the first disagreement; exact local AR references are checked too, and any float near-tie divergence
 between the incremental and the teacher-forced pass is counted with its top-2 margin, never
 hidden.
 """
@@ -26,12 +26,14 @@ from flashdraft.drafter import DFlashDrafter
 from flashdraft.eval.offline import ReplayItem, SampleResult, replay_batch, teacher_forced
 from flashdraft.eval.prompts import EvalPrompt
 from flashdraft.eval.references import (
+    FrozenSet,
     Reference,
     ReferenceSettings,
     ServerConfig,
     compute_references,
     cut_at_disagreement,
     default_ref_batch,
+    target_fingerprint,
 )
 from flashdraft.eval.replay import Method, methods_for
 from flashdraft.target import TargetModel, check_pair
@@ -201,6 +203,8 @@ def evaluate(
     cache_dir: str | Path | None = None,
     server: ServerConfig | None = None,
     ref_batch: int | None = None,  # rows per batched greedy reference generation (None: default_ref_batch)
+    ref_engine: str | None = None,  # batched references: "loop" | "native" (None: native on CUDA)
+    frozen: FrozenSet | None = None,  # a frozen reference set (read_frozen): its references, checked and cut
     dataset: str = "",
     drafter_paths: dict[str, str] | None = None,
     progress: bool = True,
@@ -221,12 +225,30 @@ def evaluate(
             raise ValueError(f"drafter {name!r}: {e}") from None
     methods = methods_for(sorted(set(budgets)), topk)
     prompts = _as_prompts(prompts)
+    frozen_notes: list[str] = []
+    if frozen is not None:
+        if references is not None:
+            raise ValueError("give references or frozen, not both")
+        if temperature != 0:
+            raise ValueError(f"{frozen.path}: frozen references are greedy; evaluate them at temperature 0")
+        if max_new_tokens > frozen.max_new_tokens:
+            raise ValueError(
+                f"max_new_tokens {max_new_tokens} > the {frozen.max_new_tokens} tokens of {frozen.path}: "
+                f"use --max-new-tokens {frozen.max_new_tokens} or less"
+            )
+        references = frozen.references
+        same = frozen.fingerprint == target_fingerprint(target)
+        frozen_notes.append(
+            f"frozen references {frozen.path.name} ({frozen.target}, {frozen.dtype}, fingerprint "
+            f"{frozen.fingerprint}: {'this target' if same else 'another target or dtype than this one'})"
+        )
     if references is None:
         settings = ReferenceSettings(max_new_tokens, temperature, seed, stop_token_ids)
         batch = ref_batch if ref_batch is not None else default_ref_batch(target.device)
         rs = compute_references(
-            target, prompts, settings, cache_dir=cache_dir, server=server, progress=progress, batch_size=batch
-        )
+            target, prompts, settings, cache_dir=cache_dir, server=server, progress=progress, batch_size=batch,
+            batch_engine=ref_engine,
+        )  # fmt: skip
         refs, computed, cached, ref_s = rs.references, rs.computed, rs.cached, rs.seconds
     else:
         refs, computed, cached, ref_s = list(references), 0, len(references), 0.0
@@ -262,6 +284,7 @@ def evaluate(
         "ddtree-N: a DDTree of N nodes (root excluded), tau <= N+1; topk-K: top-k streak (reference token in the "
         "drafter's top-K at every slot, the acceptance of a full top-K-per-slot tree), tau <= B",
     ]
+    notes += frozen_notes
     if stats.divergences:
         notes.append(
             f"{len(stats.divergences)} reference tokens differ from the teacher-forced argmax "

@@ -4,6 +4,7 @@
     prompts = load_eval_prompts("sharegpt-heldout", target)        # ShareGPT conversations in the held-out split
     prompts = load_eval_prompts("data/sharegpt-smollm2", target)   # a regenerated dataset's eval split (exact ids)
     prompts = load_eval_prompts("my_prompts.jsonl", target)        # any file flashdraft.data.sources reads
+    prompts = load_eval_prompts("benchmarks/yardstick/humaneval-164.jsonl", target)  # a frozen reference file's prompts
 
 Each `EvalPrompt` carries its token ids and a `template` string saying how they were made, so
 a report can state the prompt formatting next to every number (DESIGN.md §5: compare with
@@ -139,12 +140,15 @@ def _from_ids_jsonl(path: Path, limit: int | None) -> list[EvalPrompt]:
     return out
 
 
-def _is_ids_jsonl(path: Path) -> bool:
+def _first_line(path: Path) -> str:
     if path.suffix != ".jsonl" or not path.is_file():
-        return False
+        return ""
     with open(path) as f:
-        first = f.readline()
-    return '"input_ids"' in first
+        return f.readline()
+
+
+def _is_ids_jsonl(path: Path) -> bool:
+    return '"input_ids"' in _first_line(path)
 
 
 def load_eval_prompts(spec: str, target: Any, limit: int | None = None) -> list[EvalPrompt]:
@@ -156,6 +160,11 @@ def load_eval_prompts(spec: str, target: Any, limit: int | None = None) -> list[
         prompts = _from_dataset_dir(Path(spec), limit)
     elif _is_ids_jsonl(Path(spec)):
         prompts = _from_ids_jsonl(Path(spec), limit)
+    elif "flashdraft-frozen-references" in _first_line(Path(spec)):
+        from flashdraft.eval.references import read_frozen
+
+        refs = read_frozen(spec, limit).references  # the prompts a frozen yardstick was made from
+        prompts = [EvalPrompt(r.id, r.prompt_ids, r.template) for r in refs]
     else:
         if not Path(spec.split(":", 1)[-1]).exists():
             raise FileNotFoundError(

@@ -7,10 +7,12 @@ A reference is what the target itself answers (greedy at T=0, or a seeded sample
 offline replay (offline.py) treats it as the target's choice at every position. Local
 references come from `flashdraft.decode.generate(method="ar")` (the fast engine on CUDA), so they
 are token-identical to plain autoregressive decoding. Batched local references (`batch_size > 1`,
-greedy only; the default on CPU, see `default_ref_batch`) come from flashdraft's batched greedy loop
-and server references from an OpenAI-compatible SGLang/vLLM endpoint: neither is exact AR, so
-evaluate() checks both against the local target's teacher-forced argmax, cuts them at the first
-disagreement and reports the agreement rate (`cut_at_disagreement`).
+greedy only; the default, see `default_ref_batch`) come from flashdraft's batched greedy loop on a CPU
+and from the batched native engine (`flashdraft.data.generate.native_generate`, static cache, CUDA
+graphs) on CUDA; server references from an OpenAI-compatible SGLang/vLLM endpoint; frozen references
+from a committed JSONL file (`write_frozen` / `read_frozen`, benchmarks/yardstick/). None of these is
+exact AR of the local target, so evaluate() checks them against the local target's teacher-forced
+argmax, cuts them at the first disagreement and reports the agreement rate (`cut_at_disagreement`).
 
 Cache: one JSON file per reference under `cache_dir` (default ~/.cache/flashdraft/references or
 $FLASHDRAFT_CACHE/references), named by a hash of the target's identity (geometry, dtype and a
@@ -87,20 +89,33 @@ class ReferenceSet:
 
 # Rows per batched greedy reference generation on a CPU, where a single-token forward of a small target
 # is overhead-bound: 12 HumanEval prompts x 96 tokens of the 135M default, float32, 2-core CPU, took 97.8 s
-# one prompt at a time and 23.4 s in one batch, same tokens (issue #6). On CUDA the fast engine already
-# does exact AR quickly, so it stays at 1.
+# one prompt at a time and 23.4 s in one batch, same tokens (benchmarks/RESULTS.md).
 CPU_REF_BATCH = 16
+# Rows of the batched native engine on CUDA (continuous batching): one prompt at a time the fast engine
+# made ~110 tok/s of references on an H100, the batched native engine regenerates ~28K tok/s; 256 rows
+# hold all 164 HumanEval problems at once.
+CUDA_REF_BATCH = 256
+BATCH_ENGINES = ("loop", "native")
 
 
 def default_ref_batch(device: str | torch.device) -> int:
-    """Rows per batched greedy reference generation when none is given: 16 on CPU, 1 (exact AR) on CUDA."""
-    return 1 if torch.device(device).type == "cuda" else CPU_REF_BATCH
+    """Rows per batched greedy reference generation when none is given: 16 on CPU, 256 on CUDA."""
+    return CUDA_REF_BATCH if torch.device(device).type == "cuda" else CPU_REF_BATCH
+
+
+def default_batch_engine(target: Any) -> str:
+    """ "native" (the batched static-cache engine) where the target is on CUDA and has a native forward,
+    else "loop" (flashdraft's padded loop over transformers)."""
+    from flashdraft.decode.native import native_support_error
+
+    on_cuda = torch.device(target.device).type == "cuda"
+    return "native" if on_cuda and native_support_error(target) is None else "loop"
 
 
 def cut_at_disagreement(source: str) -> bool:
-    """True for references that are not exact AR of the local target (a server's, a padded batch's):
-    evaluate() cuts them at the first token that differs from the teacher-forced argmax."""
-    return source.startswith("server") or source == "local-batched"
+    """True for references that are not exact AR of the local target (a server's, a batch's, a frozen
+    file's): evaluate() cuts them at the first token that differs from the teacher-forced argmax."""
+    return source.startswith(("server", "frozen")) or source in ("local-batched", "local-native")
 
 
 def default_cache_dir() -> Path:
@@ -204,10 +219,12 @@ def _local(
 
 
 def _local_batch(
-    target: Any, prompts: list[EvalPrompt], settings: ReferenceSettings, stop: list[int]
+    target: Any, prompts: list[EvalPrompt], settings: ReferenceSettings, stop: list[int], engine: str = "loop"
 ) -> list[tuple[list[int], str]]:
     """Greedy continuations of several prompts in one batch of flashdraft's own loop (`loop_generate`: a
-    left-padded prefill, then one token per step for every row; the loop that regenerates training data).
+    left-padded prefill, then one token per step for every row; the loop that regenerates training data),
+    or, with engine "native", of the batched native engine (`native_generate`: continuous batching over
+    a static cache, one CUDA graph per step on a GPU; `len(prompts)` rows).
 
     Like `_local`, each row keeps its stop token when hit ("stop"), else runs to max_new_tokens ("length").
     Faster on CPU than one decode per prompt, but a padded batch sums in another order than a
@@ -215,9 +232,13 @@ def _local_batch(
     against the teacher-forced argmax and cuts the reference at the first disagreement
     (`cut_at_disagreement`); use batch_size=1 for exact AR.
     """
-    from flashdraft.data.generate import GenerationParams, loop_generate
+    from flashdraft.data.generate import GenerationParams, loop_generate, native_generate
 
     params = GenerationParams(max_new_tokens=settings.max_new_tokens, temperature=0.0, stop_ids=list(stop))
+    if engine == "native":
+        ids = [list(p.input_ids) for p in prompts]
+        gens = native_generate(target, ids, params, seed=0, rows=len(prompts))
+        return [(g.ids, g.finish) for g in gens]
     gens = loop_generate(target, [list(p.input_ids) for p in prompts], params, seed=0)  # greedy: seed unused
     return [(g.ids, g.finish) for g in gens]
 
@@ -277,6 +298,7 @@ def compute_references(
     transport: Any | None = None,  # an httpx transport (tests use httpx.MockTransport)
     batch_size: int = 1,  # > 1: greedy local references in left-padded batches (see _local_batch; not at T>0)
     fast_engine: bool | None = None,  # AR on the fast engine (None: where the target is on CUDA)
+    batch_engine: str | None = None,  # batch_size > 1: "loop" | "native" (None: default_batch_engine)
     on_reference: Callable[[Reference], None] | None = None,
 ) -> ReferenceSet:
     """References for `prompts`, from the cache where present, else from the target or the server."""
@@ -287,7 +309,11 @@ def compute_references(
     stop = list(settings.stop_token_ids) if settings.stop_token_ids is not None else target_stop_ids(target)
     batched = server is None and batch_size > 1 and settings.temperature == 0
     fast = fast_engine if fast_engine is not None else torch.device(target.device).type == "cuda"
-    local = "local-batched" if batched else ("local-engine" if fast else "local")
+    engine = batch_engine or default_batch_engine(target)
+    if engine not in BATCH_ENGINES:
+        raise ValueError(f"batch engine {engine!r}: use one of {', '.join(BATCH_ENGINES)}")
+    batch_source = "local-native" if engine == "native" else "local-batched"
+    local = batch_source if batched else ("local-engine" if fast else "local")
     source = f"server:{server.url}" if server is not None else local
     fp = target_fingerprint(target)
     keys = [reference_key(fp, p, settings, stop, source) for p in prompts]
@@ -314,7 +340,7 @@ def compute_references(
         for a in range(0, len(order), batch_size):
             chunk = order[a : a + batch_size]
             for i, (tokens, reason) in zip(
-                chunk, _local_batch(target, [prompts[i] for i in chunk], settings, stop), strict=True
+                chunk, _local_batch(target, [prompts[i] for i in chunk], settings, stop, engine), strict=True
             ):
                 out[i] = make(i, tokens, reason)
             bar.update(len(chunk))
@@ -353,3 +379,110 @@ class ReferenceCheck:
     kept: int = 0  # tokens before the first disagreement (what the replay uses)
     first_disagreement: int | None = None
     margins: list[float] = field(default_factory=list)  # top-2 logit margin where they disagree
+
+
+# ----------------------------------------------------------------------------- frozen reference sets
+
+FROZEN_FORMAT = "flashdraft-frozen-references/1"
+
+
+@dataclass
+class FrozenSet:
+    """References read from a frozen JSONL file, with what made them (every line must agree)."""
+
+    path: Path
+    references: list[Reference]
+    target: str  # the target's name when written
+    fingerprint: str  # `target_fingerprint` of the target that wrote them
+    dtype: str
+    max_new_tokens: int
+    stop_token_ids: list[int]
+
+
+def write_frozen(
+    path: str | Path,
+    refs: list[Reference],
+    target: Any,
+    settings: ReferenceSettings,
+    *,
+    overwrite: bool = False,
+) -> Path:
+    """One JSON line per reference: id, prompt_ids, tokens, stop_reason, the settings and the target's
+    fingerprint. Greedy references only (a frozen yardstick is the target's own choice at every
+    position). Written whole (temp + rename); an existing file is replaced only with `overwrite`."""
+    path = Path(path)
+    if path.exists() and not overwrite:
+        raise FileExistsError(f"{path} exists: pass overwrite=True (--overwrite) to replace it")
+    if settings.temperature != 0 or any(r.temperature != 0 for r in refs):
+        raise ValueError("frozen references are greedy (T=0) only")
+    stop = list(settings.stop_token_ids) if settings.stop_token_ids is not None else target_stop_ids(target)
+    common = {
+        "format": FROZEN_FORMAT, "target": getattr(target, "name", "target"),
+        "target_fingerprint": target_fingerprint(target), "dtype": str(target.dtype).removeprefix("torch."),
+        "max_new_tokens": settings.max_new_tokens, "temperature": 0.0, "stop_token_ids": stop,
+    }  # fmt: skip
+    lines = [
+        json.dumps(
+            {
+                "id": r.id,
+                "prompt_ids": r.prompt_ids,
+                "tokens": r.tokens,
+                "stop_reason": r.stop_reason,
+                "template": r.template,
+                "source": r.source,
+                **common,
+            }  # fmt: skip
+        )
+        for r in refs
+    ]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    with os.fdopen(fd, "w") as f:
+        f.write("".join(line + "\n" for line in lines))
+    os.chmod(tmp, 0o644)  # a file to commit and share (mkstemp makes it owner-only)
+    os.replace(tmp, path)
+    return path
+
+
+def read_frozen(path: str | Path, limit: int | None = None) -> FrozenSet:
+    """The references of a `write_frozen` file (the first `limit`), as source "frozen:<file name>":
+    evaluate() checks each against the local target's teacher-forced argmax and cuts it at the first
+    disagreement, so a frozen set stays usable on another engine, dtype or device."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{path}: no frozen reference file (benchmarks/yardstick/make_references.py writes one)"
+        )
+    refs: list[Reference] = []
+    head: dict[str, Any] | None = None
+    for n, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+            if rec.get("format") != FROZEN_FORMAT:
+                raise ValueError(f"format {rec.get('format')!r}, expected {FROZEN_FORMAT!r}")
+            meta = {
+                k: rec[k]
+                for k in ("target", "target_fingerprint", "dtype", "max_new_tokens", "stop_token_ids")
+            }
+            ref = Reference(
+                str(rec["id"]), [int(i) for i in rec["prompt_ids"]], [int(i) for i in rec["tokens"]],
+                str(rec.get("template", "token ids")), f"frozen:{path.name}", 0.0, None, str(rec["stop_reason"]),
+                f"frozen:{path.name}:{rec['id']}",
+            )  # fmt: skip
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"{path}:{n}: not a frozen reference line ({e})") from None
+        if head is None:
+            head = meta
+        elif meta != head:
+            raise ValueError(
+                f"{path}:{n}: target or settings differ from line 1: one file, one target and setting"
+            )
+        refs.append(ref)
+        if limit is not None and len(refs) >= limit:
+            break
+    if head is None:
+        raise ValueError(f"{path}: empty frozen reference file")
+    return FrozenSet(path, refs, head["target"], head["target_fingerprint"], head["dtype"],
+                     int(head["max_new_tokens"]), [int(i) for i in head["stop_token_ids"]])  # fmt: skip

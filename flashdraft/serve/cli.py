@@ -20,8 +20,12 @@ def register(app: typer.Typer) -> None:
             None,
             help="DFlash drafter folder; 'none' serves plain AR; default: the shipped drafter if present",
         ),
-        method: str = typer.Option("chain", help="chain | ddtree | ar"),
-        budget: int | None = typer.Option(None, help="DDTree budget (tree nodes, root excluded)"),
+        method: str = typer.Option(
+            "auto", help="auto (the fastest of AR, chain and DDTree budgets here) | chain | ddtree | ar"
+        ),
+        budget: str | None = typer.Option(
+            None, help="DDTree budget (tree nodes, root excluded), or 'auto' (= --method auto)"
+        ),
         host: str = typer.Option("127.0.0.1", help="bind address; localhost by default"),
         port: int = typer.Option(8000),
         api_key: str | None = typer.Option(
@@ -63,11 +67,15 @@ def register(app: typer.Typer) -> None:
         from flashdraft.serve.server import ServeOptions, build_engine, serve_forever
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        if budget == "auto":
+            method, budget = "auto", None
+        if budget is not None and not budget.isdigit():
+            raise typer.BadParameter(f"--budget {budget!r}: a node count or 'auto'", param_hint="--budget")
         opts = ServeOptions(
             target=target,
             drafter=drafter,
             method=method,
-            budget=budget,
+            budget=int(budget) if budget is not None else None,
             device=device,
             dtype=dtype,
             model_id=model_name,

@@ -65,8 +65,8 @@ def build_engine(opts: ServeOptions) -> Engine:
     from flashdraft.drafter import DFlashDrafter
     from flashdraft.target import _parse_dtype, check_pair, load_target
 
-    if opts.method not in ("chain", "ddtree", "ar"):
-        raise ValueError(f"method {opts.method!r} is unknown: use chain, ddtree or ar")
+    if opts.method not in ("chain", "ddtree", "ar", "auto"):
+        raise ValueError(f"method {opts.method!r} is unknown: use auto, chain, ddtree or ar")
     target = load_target(opts.target, dtype=opts.dtype, device=opts.device)
     folder = resolve_drafter(opts.drafter, opts.target)
     drafter = None

@@ -44,8 +44,9 @@ END_OF_TURN_TOKENS = (
 
 @dataclass
 class EngineSettings:
-    method: str = "chain"  # "chain" | "ddtree" | "ar"
+    method: str = "chain"  # "chain" | "ddtree" | "ar" | "auto" (flashdraft/decode/budget.py)
     budget: int | None = None  # DDTree nodes (root excluded)
+    tau_report: str | None = None  # method auto: an eval report.json with the drafter's τ per budget
     max_queue: int = 16  # waiting requests beyond the one being generated; more -> 429
     timeout: float = 120.0  # seconds from arrival to the last token, queueing included
     model_id: str = "flashdraft"
@@ -133,6 +134,12 @@ class Engine:
 
             generate = generate_fn
         self._generate = generate
+        # method auto: one policy for the server's life, calibrated here, learning from every request
+        self.policy = None
+        if settings.method == "auto" and drafter is not None:
+            from flashdraft.decode.budget import auto_policy
+
+            self.policy = auto_policy(target, drafter, generate, tau_report=settings.tau_report)
         self.stop_ids = stop_token_ids(self.tokenizer, target.model)
         self.context_length = int(getattr(target.config, "max_position_embeddings", 0) or 2**31)
         self._queue: queue.Queue[Job] = queue.Queue(maxsize=max(settings.max_queue, 1))
@@ -297,11 +304,12 @@ class Engine:
                 max_new_tokens=p.max_tokens,
                 temperature=p.temperature,
                 top_p=p.top_p,
-                method=self.settings.method,
+                method=self.settings.method if self.drafter is not None else "ar",
                 budget=self.settings.budget,
                 stop_token_ids=self.stop_ids,
                 seed=p.seed,
                 on_tokens=on_tokens,
+                **({"policy": self.policy} if self.policy is not None else {}),
             )
         seconds = time.perf_counter() - t0
         self._mean_job_seconds = 0.8 * self._mean_job_seconds + 0.2 * seconds

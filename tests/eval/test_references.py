@@ -6,11 +6,12 @@ import json
 
 import httpx
 import pytest
+import torch
 
 from flashdraft.decode.generate import generate
 from flashdraft.eval.evaluate import evaluate
 from flashdraft.eval.prompts import EvalPrompt
-from flashdraft.eval.references import ReferenceSettings, ServerConfig, compute_references
+from flashdraft.eval.references import ReferenceSettings, ServerConfig, compute_references, target_fingerprint
 from tests.conftest import tiny_drafter, tiny_target
 
 PROMPTS = [EvalPrompt(f"p{i}", [3 + i, 7, 9, 11 + i, 4], "token ids") for i in range(3)]
@@ -274,3 +275,139 @@ def test_fast_engine_references_match_reference_decoder(tmp_path, family) -> Non
     assert [r.stop_reason for r in fast.references] == [r.stop_reason for r in slow.references]
     assert {r.source for r in fast.references} == {"local-engine"}
     assert {r.source for r in slow.references} == {"local"}  # a CPU target keeps the reference decoder
+
+
+def _taus(report) -> dict[str, list[float]]:  # type: ignore[no-untyped-def]
+    return {m: [s["tau"][m] for s in report.drafters["d"].per_sample] for m in report.methods}
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_native_batched_references_match_single(tmp_path, family) -> None:
+    """References from the batched native engine (continuous batching over a static cache, the default on
+    CUDA) are the exact single-sequence AR references token for token in float64, stop tokens and stop
+    reasons included, and evaluate() gives the same τ per prompt from both."""
+    target = tiny_target(family)
+    drafter = tiny_drafter(target)
+    stop = _early_stop(target, MIXED, 14)
+    s = ReferenceSettings(max_new_tokens=14, stop_token_ids=[stop])
+    one = compute_references(target, MIXED, s, cache_dir=tmp_path, progress=False).references
+    assert {r.stop_reason for r in one} == {"stop", "length"}
+    many = compute_references(
+        target, MIXED, s, cache_dir=tmp_path, progress=False, batch_size=3, batch_engine="native"
+    ).references
+    assert {r.source for r in many} == {"local-native"}
+    assert [r.tokens for r in many] == [r.tokens for r in one]
+    assert [r.stop_reason for r in many] == [r.stop_reason for r in one]
+    kw = dict(budgets=[4, 16], topk=2, max_new_tokens=14, progress=False)
+    exact = evaluate(target, {"d": drafter}, MIXED, references=one, **kw)
+    batched = evaluate(target, {"d": drafter}, MIXED, references=many, **kw)
+    assert batched.references.truncated_samples == 0 and batched.references.agreement_rate == 1.0
+    assert _taus(batched) == _taus(exact)
+
+
+def test_native_is_the_cuda_default() -> None:
+    from flashdraft.eval.references import CUDA_REF_BATCH, default_batch_engine, default_ref_batch
+
+    target = tiny_target("llama")
+    assert default_batch_engine(target) == "loop" and default_ref_batch("cpu") == 16
+    assert default_ref_batch("cuda") == CUDA_REF_BATCH > 1
+
+    class OnCuda:
+        device = torch.device("cuda")
+        config = target.config
+        model = target.model
+
+    assert default_batch_engine(OnCuda()) == "native"
+
+
+def test_frozen_references_round_trip_same_tau(tmp_path) -> None:
+    """A frozen reference file written from exact AR references and read back gives the same τ per prompt
+    as the fresh references (float64), with every token checked against the target and nothing cut."""
+    from flashdraft.eval.references import read_frozen, write_frozen
+
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target)
+    s = ReferenceSettings(max_new_tokens=12, stop_token_ids=[4])
+    fresh = compute_references(target, MIXED, s, cache_dir=tmp_path, progress=False).references
+    path = write_frozen(tmp_path / "y" / "set.jsonl", fresh, target, s)
+    with pytest.raises(FileExistsError, match="overwrite"):
+        write_frozen(path, fresh, target, s)
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    assert [x["id"] for x in lines] == [p.id for p in MIXED]
+    assert {x["target_fingerprint"] for x in lines} == {target_fingerprint(target)}
+    assert {x["max_new_tokens"] for x in lines} == {12} and {x["stop_token_ids"][0] for x in lines} == {4}
+    frozen = read_frozen(path)
+    assert [r.tokens for r in frozen.references] == [r.tokens for r in fresh]
+    kw = dict(budgets=[4, 16], topk=2, max_new_tokens=12, progress=False)
+    a = evaluate(target, {"d": drafter}, MIXED, references=fresh, **kw)
+    b = evaluate(target, {"d": drafter}, MIXED, frozen=frozen, **kw)
+    assert b.references.source == "frozen:set.jsonl" and b.references.truncated_samples == 0
+    assert b.references.agreement_rate == 1.0 and b.references.checked == a.references.checked
+    assert _taus(a) == _taus(b)
+    assert any("fingerprint" in n and "this target" in n for n in b.notes)
+    assert len(read_frozen(path, limit=2).references) == 2
+
+
+def test_frozen_references_cut_at_first_disagreement(tmp_path) -> None:
+    """Scored on another target, a frozen reference is checked against that target's argmax and cut at its
+    first disagreement; the note says the fingerprint is not this target's. A bad line is one clear error."""
+    from flashdraft.eval.references import read_frozen, write_frozen
+
+    target = tiny_target("llama")
+    s = ReferenceSettings(max_new_tokens=12, stop_token_ids=[])
+    fresh = compute_references(target, PROMPTS, s, cache_dir=tmp_path, progress=False).references
+    path = write_frozen(tmp_path / "set.jsonl", fresh, target, s)
+    other = tiny_target("llama", seed=5)
+    rep = evaluate(
+        other, {"d": tiny_drafter(other)}, PROMPTS, budgets=[4], topk=None, max_new_tokens=12,
+        frozen=read_frozen(path), progress=False,
+    )  # fmt: skip
+    st = rep.references
+    assert st.truncated_samples == 3 and st.agreed == st.checked - 3 and st.tokens == st.checked - 3
+    assert any("another target" in n for n in rep.notes)
+    with pytest.raises(ValueError, match="max_new_tokens 20"):
+        evaluate(other, {"d": tiny_drafter(other)}, PROMPTS, max_new_tokens=20, frozen=read_frozen(path),
+                 progress=False)  # fmt: skip
+    path.write_text(path.read_text() + '{"format": "x"}\n')
+    with pytest.raises(ValueError, match=r"set.jsonl:4: not a frozen reference line"):
+        read_frozen(path)
+
+
+def test_eval_command_scores_a_frozen_file(tmp_path) -> None:
+    """`flashdraft eval --references FILE` takes prompts and tokens from the file (no --dataset), reports the
+    frozen source, and refuses a longer --max-new-tokens than the file holds with the fix."""
+    from typer.testing import CliRunner
+
+    from flashdraft.cli import app
+    from flashdraft.eval.references import write_frozen
+    from flashdraft.target import load_target
+
+    target = tiny_target("llama")
+    target.model.save_pretrained(tmp_path / "target")
+    tiny_drafter(target).save_pretrained(tmp_path / "d")
+    loaded = load_target(str(tmp_path / "target"), dtype="float64")
+    s = ReferenceSettings(max_new_tokens=10, stop_token_ids=[])
+    refs = compute_references(loaded, PROMPTS, s, cache_dir=tmp_path / "c", progress=False).references
+    frozen = write_frozen(tmp_path / "y.jsonl", refs, loaded, s)
+    base = ["eval", "--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "d"), "--references",
+            str(frozen), "--budgets", "4", "--topk", "", "--dtype", "float64", "--no-progress"]  # fmt: skip
+    r = CliRunner().invoke(app, [*base, "--max-new-tokens", "10", "--out", str(tmp_path / "out")])
+    assert r.exit_code == 0, r.output
+    rep = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert rep["references"]["source"] == "frozen:y.jsonl" and rep["references"]["count"] == 3
+    assert rep["references"]["agreement_rate"] == 1.0 and rep["dataset"] == "y"
+    r = CliRunner().invoke(app, [*base, "--max-new-tokens", "20"])
+    assert r.exit_code == 2 and "--max-new-tokens 10 or less" in r.stderr
+
+
+def test_frozen_file_is_a_prompt_set(tmp_path) -> None:
+    """`--dataset FROZEN.jsonl` (bench, eval) gives the prompts the frozen references were made from."""
+    from flashdraft.eval.prompts import load_eval_prompts
+    from flashdraft.eval.references import write_frozen
+
+    target = tiny_target("llama")
+    s = ReferenceSettings(max_new_tokens=4, stop_token_ids=[])
+    refs = compute_references(target, MIXED, s, cache_dir=tmp_path, progress=False).references
+    path = write_frozen(tmp_path / "set.jsonl", refs, target, s)
+    got = load_eval_prompts(str(path), target, limit=3)
+    assert [(p.id, p.input_ids) for p in got] == [(p.id, p.input_ids) for p in MIXED[:3]]
