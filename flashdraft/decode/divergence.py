@@ -1,7 +1,7 @@
 """Where a speculative output departs from the AR reference, and how close the call was.
 
 A verify pass sums in a different order than a one-token step, so in float32/bf16 an argmax
-can flip at a near-tie (DESIGN.md §3). These outputs are reported, not failed: the report
+can flip at a near-tie (docs/method.md §8.3). These outputs are reported, not failed: the report
 gives the first divergent position and the reference's top-2 logit margin there (a tiny
 margin means rounding; a large one means a bug).
 

@@ -151,7 +151,7 @@ def build_tree_device(draft_logits: torch.Tensor, plan: TreePlan) -> DeviceTree:
     the heap's Python floats. No host sync, fixed shapes: capturable in a CUDA graph.
     Where k < budget, depth 1 has budget − k empty places: NaN, which the stable sorts of the
     negated scores put after every real entry, -inf ones (tokens of probability 0) included.
-    (Measured on the H200, benchmarks/RESULTS.md session 7: counting stable ranks instead of
+    (Measured on the H200, 2026-12-03, benchmarks/RESULTS.md "Decode speed": counting stable ranks instead of
     sorting was slower at budgets 8/32/512, and inductor could not compile it.)
     """
     return select_tree(*draft_top(draft_logits, plan), plan)
@@ -316,7 +316,7 @@ class FastEngine:
         if self.cuda_graphs and self.device.type != "cuda":
             raise ValueError("cuda_graphs=True needs a CUDA target")
         # the DDTree phase through torch.compile, one callable per budget (`compile_tree_writer`); by default
-        # wherever the phases are CUDA graphs. H200 session 10 (benchmarks/RESULTS.md): the phase 1.35-3.55x
+        # wherever the phases are CUDA graphs. H200, 2026-12-04 (benchmarks/RESULTS.md "Decode speed"): the phase 1.35-3.55x
         # faster per replay (budget 8: 0.300 -> 0.108 ms, 512: 1.076 -> 0.795), the same trees bit for bit,
         # DDTree-32 1.60x -> 1.72x over engine AR; the price is 6-23 s of compilation per budget, once, at warm-up
         self.compile_tree = self.cuda_graphs if compile_tree is None else compile_tree
@@ -380,7 +380,7 @@ class FastEngine:
                 "plan": TreePlan.make(budget, self.block - 1, self.target.vocab_size, self.device),
                 "out": out,
                 # budget 1 (a one-node tree) stays eager: nothing to fuse, and inductor 2.11 on CUDA fails on its
-                # [1, 1] top-k lists ("argument '-1 + ((-1))' is not comparable", H200 session 10)
+                # [1, 1] top-k lists ("argument '-1 + ((-1))' is not comparable", H200, 2026-12-04)
                 "write": compile_tree_writer() if self.compile_tree and budget > 1 else write_tree_inputs,
             }
         return self._tree[budget]

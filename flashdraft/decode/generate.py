@@ -1,6 +1,6 @@
 """Lossless speculative decoding on a transformers target: DFlash chain, DDTree, and plain AR.
 
-The reference decode path (DESIGN.md §3): correctness first, generic transformers code. The
+The reference decode path (docs/method.md §8): correctness first, generic transformers code. The
 fast CUDA-graph engine (`flashdraft.decode.engine`) must stay token-identical to it.
 
     flashdraft generate --drafter RUN/checkpoints/step-00001000/drafter --prompt "Hi" --chat

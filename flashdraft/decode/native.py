@@ -69,7 +69,7 @@ class HeadFP32:
 
     A bf16 head over a 49K vocabulary rounds logits of ~20 to steps of 0.125, so the top two tie exactly
     often: on the H200 every divergence of a bf16 speculative decode from bf16 AR sat at a top-2 margin
-    of 0.0–0.5, most at 0.0 (benchmarks/RESULTS.md, session 5), and two regenerations of the same prompts
+    of 0.0–0.5, most at 0.0 (benchmarks/RESULTS.md "Regeneration", 2026-12-02), and two regenerations of the same prompts
     in different batches split at a median of 25 answer tokens. Float32 logits leave only the ties
     the hidden states themselves make; the cost is one float32 matmul of [q, H] × [H, V] per forward."""
 

@@ -5,7 +5,7 @@
     report = bench(target, drafter, prompts, methods=["ar", "chain", "ddtree:64"], max_new_tokens=128)
 
 Time per output token (TPOT), tokens/s, speedup over AR *on the same engine*, and τ, as a
-table and JSON (DESIGN.md §4: speedup and τ are always reported together). The engine is
+table and JSON (docs/method.md §11.5: speedup and τ are always reported together). The engine is
 `flashdraft.decode.generate` (reference, transformers) or, when importable and asked for (the
 default on CUDA), the fast CUDA-graph engine `flashdraft.decode.engine`; a target the fast
 engine cannot run falls back to the reference one, and the report says which ran. At T=0 every

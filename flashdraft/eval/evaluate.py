@@ -41,7 +41,7 @@ from flashdraft.target import TargetModel, check_pair
 
 @dataclass
 class MethodSummary:
-    tau: float  # mean over rounds per sample, then over samples (DESIGN.md §3)
+    tau: float  # mean over rounds per sample, then over samples (docs/method.md §8.2)
     tau_token_weighted: float  # Σ committed / Σ rounds over all samples
     predicted_tau: float  # the surrogate 1 + Σ q(u), averaged like tau (calibration)
     rounds: int

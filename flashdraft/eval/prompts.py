@@ -7,7 +7,7 @@
     prompts = load_eval_prompts("benchmarks/yardstick/humaneval-164.jsonl", target)  # a frozen reference file's prompts
 
 Each `EvalPrompt` carries its token ids and a `template` string saying how they were made, so
-a report can state the prompt formatting next to every number (DESIGN.md §5: compare with
+a report can state the prompt formatting next to every number (docs/method.md §11.4: compare with
 published figures only under the same wording and max_new_tokens).
 """
 

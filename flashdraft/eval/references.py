@@ -203,7 +203,7 @@ def _local(
 ) -> tuple[list[int], str]:
     """One prompt's continuation by AR decoding: the fast engine (static cache, CUDA graphs) where
     `fast`, else the reference decoder — token-identical in exact arithmetic (tests/decode), while
-    on a GPU the reference decoder's eager steps cost ~25 ms each (DESIGN.md §7); on a CPU the engine
+    on a GPU the reference decoder's eager steps cost ~25 ms each (benchmarks/RESULTS.md "Decode speed"); on a CPU the engine
     is the slower one (benchmarks/reference_speed.py)."""
     if fast:
         from flashdraft.decode.engine import generate

@@ -29,7 +29,7 @@ class ModelConfig:
     num_key_value_heads: int | None = None  # None: copy the target's
     head_dim: int | None = None  # None: copy the target's
     intermediate_size: int | None = None  # None: copy the target's
-    target_layer_ids: list[int] | None = None  # None: DESIGN.md §1 default (evenly from 1 to L_t − 3)
+    target_layer_ids: list[int] | None = None  # None: docs/method.md §2.2 default (evenly from 1 to L_t − 3)
     mask_token_id: int | None = None  # None: flashdraft.target.default_mask_token_id
     init_std: float = 0.02  # random init of the drafter's linears (the paper trains from scratch)
     init_from: str | None = None  # a DFlash drafter folder to start from instead of random weights
@@ -71,7 +71,7 @@ class LossConfig:
     # two passes over each chunk's logits (max/argmax/Σexp, then the gradient) in the matmul dtype instead of
     # log_softmax's float32 passes; same values (tests/train/test_loss.py). None: on exactly where the loss is
     # compiled (CUDA with "loss" in runtime.compile) — there the drafter step took 0.745x the time (H200,
-    # RESULTS.md session 6); eager on CPU it is slower (0.41 vs 0.25 s a quickstart step), so off there
+    # 2026-12-03, RESULTS.md "Training throughput and MFU"); eager on CPU it is slower (0.41 vs 0.25 s a quickstart step), so off there
     fused_ce: bool | None = None
     # 0: the CE's softmax runs over the whole vocabulary (paper). N > 0: over the N most frequent label tokens of
     # the training split (labels outside carry no loss): a cheaper step where the head dominates it (a small
@@ -139,7 +139,7 @@ class RuntimeConfig:
     target_device: str = "same"
     # torch's intra-op CPU threads during Trainer.run (flashdraft/train/host.py). None = auto: 1 when the drafter
     # runs on CUDA (the host only queues kernels and builds small index tensors; with torch's one thread per core
-    # a descheduled thread stalls every tiny op's barrier: H200 session 10's slow steps, 0 with one thread), torch's
+    # a descheduled thread stalls every tiny op's barrier: the H200's slow steps of 2026-12-04, 0 with one thread), torch's
     # default on CPU (the CPU trains with those threads); 0 = leave torch's setting alone; N >= 1 = N threads
     # (torch.set_num_threads, the previous count restored on exit)
     host_threads: int | None = None

@@ -26,7 +26,7 @@ def random_prompt(rng: random.Random, vocab: int) -> list[int]:
 
 
 class RoundChecker:
-    """Checks the round invariants after every round (DESIGN.md §3)."""
+    """Checks the round invariants after every round (docs/method.md §8.1)."""
 
     def __init__(self, block: int) -> None:
         self.block = block
