@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from flashdraft.data.dataset import SPLITS, Sample, open_dataset
+from flashdraft.data.dataset import SPLITS, DatasetError, Sample, open_dataset
 
 
 def histogram(lengths: np.ndarray, bins: int = 10, width: int = 40) -> list[str]:
@@ -128,7 +128,12 @@ def inspect_dataset(path: str, *, split: str = "train", index: int = 0, tokenize
     lines.append(f"  dropped: {m.get('dropped') or 'nothing'}")
     cap = (m.get("generation") or {}).get("max_new_tokens")
     for sp in SPLITS:
-        lines.append(repetition_stats(first if sp == split else open_dataset(path, sp)).line(sp, cap))
+        try:
+            ds = first if sp == split else open_dataset(path, sp)
+        except DatasetError as e:  # a folder trimmed to one split (e.g. a committed held-out split)
+            lines.append(f"  {sp:5s} repetition: not read ({e})")
+            continue
+        lines.append(repetition_stats(ds).line(sp, cap))
     lines.append(f"length histogram ({split}, tokens per sample):")
     lines += histogram(first.lengths, bins)
     if len(first) == 0:

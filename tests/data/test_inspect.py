@@ -68,3 +68,17 @@ def test_inspect_reports_repetition_and_the_cap(tmp_path) -> None:  # noqa: ANN0
     )
     assert "2 of 5 answers (40.0%) stopped at the 20-token cap" in line
     assert "eval  repetition: - of 0 answer tokens" in text
+
+
+def test_inspect_of_a_folder_trimmed_to_one_split(tmp_path) -> None:  # noqa: ANN001
+    """A dataset folder holding only its eval split (the committed held-out split) is inspected with
+    --split eval; the missing split is one line naming its shard, not a failure."""
+    import shutil
+
+    samples = [_sample(f"s{i}", 5, [list(range(10 * i, 10 * i + 12))], ["stop"]) for i in range(8)]
+    out = tmp_path / "ds"
+    write_dataset(samples, out, eval_fraction=0.5, contamination_sources=())
+    shutil.rmtree(out / "train")
+    text = inspect_dataset(str(out), split="eval", tokenizer="none")
+    assert "train repetition: not read" in text and "part-00000.parquet" in text
+    assert "eval  repetition: 0.0% of" in text
