@@ -211,3 +211,24 @@ def test_the_fields_that_only_shape_or_place_things_reach_what_they_set():
     assert resolve_target_device("same", cpu) == cpu and resolve_target_device("cpu,cpu", cpu, 1) == cpu
     with pytest.raises(ValueError, match="lists 2 devices but this is local rank 2"):
         resolve_target_device("cpu,cpu", cpu, 2)
+
+
+def test_data_split_picks_the_split_training_reads(tmp_path):
+    """data.split: the dataset split training reads (regenerate writes train and a held-out eval split)."""
+    import numpy as np
+
+    from flashdraft.data.dataset import Sample, write_dataset
+    from flashdraft.train.launch import open_samples
+
+    samples = [
+        Sample(f"s{i}", np.arange(1, 20 + i), np.array([False] * 5 + [True] * (14 + i))) for i in range(40)
+    ]
+    write_dataset(samples, tmp_path / "ds", eval_fraction=0.5, contamination_sources=())
+    counts = {}
+    for split in ("train", "eval"):
+        overrides = [f"run_dir={tmp_path}/r", f"data.dataset={tmp_path}/ds", f"data.split={split}"]
+        cfg = load_config(TrainConfig, None, overrides)
+        ds, lengths = open_samples(cfg)
+        counts[split] = len(lengths)
+        assert len(ds) == len(lengths)
+    assert counts["train"] + counts["eval"] == 40 and min(counts.values()) > 0

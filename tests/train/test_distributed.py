@@ -127,3 +127,20 @@ def test_two_gloo_ranks_equal_one_process_with_the_same_global_batch(tmp_path):
         resumed = read_metrics(tmp_path / f"{name}-resumed")
         assert [m["step"] for m in resumed] == list(range(1, STEPS + 1))
         assert [m["loss"] for m in resumed] == [m["loss"] for m in two], name
+
+
+def test_distributed_backend_reaches_the_process_group(monkeypatch):
+    """distributed.backend: auto is gloo on CPU (nccl on CUDA); an explicit one wins, and a non-gloo group gets
+    a gloo control group beside it for the host-side flags."""
+    import torch.distributed as dist
+
+    from flashdraft.train.distributed import init_distributed
+
+    seen: list[str] = []
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, rank, world_size: seen.append(backend))
+    monkeypatch.setattr(dist, "new_group", lambda backend: ("group", backend))
+    assert init_distributed("auto", "cpu").control is None and seen == ["gloo"]
+    assert init_distributed("nccl", "cpu").control == ("group", "gloo") and seen[-1] == "nccl"
