@@ -10,7 +10,9 @@ forward that returns only the selected layers' outputs (hooks, never all hidden 
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import json
 import re
 import threading
 from dataclasses import dataclass
@@ -524,3 +526,23 @@ def init_drafter_from_target(drafter: nn.Module, target: TargetModel, mode: str)
                     raise ValueError("init_from_target: the target's attention has biases, the drafter none")
                 d_bias.copy_(t_bias)
     return src
+
+
+_FINGERPRINTS: dict[int, tuple[Any, str]] = {}
+
+
+def target_fingerprint(target: Any) -> str:
+    """A hash of the target's geometry, dtype and a strided sample of every weight (cheap, ~4K values each)."""
+    hit = _FINGERPRINTS.get(id(target))
+    if hit is not None and hit[0] is target:
+        return hit[1]
+    h = hashlib.sha256()
+    h.update(json.dumps(target.geometry(), sort_keys=True, default=str).encode())
+    for name, p in target.model.named_parameters():
+        flat = p.detach().reshape(-1)
+        step = max(1, flat.numel() // 4096)
+        h.update(name.encode())
+        h.update(flat[::step].to("cpu", torch.float64).numpy().tobytes())
+    digest = h.hexdigest()[:24]
+    _FINGERPRINTS[id(target)] = (target, digest)
+    return digest

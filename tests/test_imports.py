@@ -20,6 +20,12 @@ LAYER = {"data": 1, "decode": 1, "train": 2, "eval": 3, "serve": 3}
 # data's regeneration forward (data/native.py) runs the target's layers with the decoding engine's public layer
 # primitives (decode/native.py: RoPE, RMSNorm, q/k/v, the float32 head): one implementation of that math
 ALLOWED_ACROSS = {("flashdraft.data.native", "flashdraft.decode.native")}
+# the trainer's validation runs `flashdraft eval`'s own references and replay, so its τ is the eval's τ
+# (tests/train/test_validation.py), not a second implementation of it
+ALLOWED_ACROSS |= {
+    ("flashdraft.train.validation", f"flashdraft.eval.{m}")
+    for m in ("evaluate", "offline", "prompts", "references", "replay")
+}
 
 
 def module_names() -> dict[str, Path]:

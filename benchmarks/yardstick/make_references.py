@@ -27,11 +27,10 @@ from flashdraft.eval.references import (
     compute_references,
     default_cache_dir,
     reference_key,
-    target_fingerprint,
     target_stop_ids,
     write_frozen,
 )
-from flashdraft.target import load_target
+from flashdraft.target import load_target, target_fingerprint
 
 
 def main() -> None:

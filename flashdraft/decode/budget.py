@@ -126,7 +126,7 @@ def _device_name(device: torch.device) -> str:
 
 
 def cost_key(target: Any, drafter: Any, engine: str, candidates: list[Choice]) -> str:
-    from flashdraft.eval.references import target_fingerprint
+    from flashdraft.target import target_fingerprint
 
     h = hashlib.sha256()
     h.update(target_fingerprint(target).encode())

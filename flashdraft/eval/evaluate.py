@@ -33,10 +33,9 @@ from flashdraft.eval.references import (
     compute_references,
     cut_at_disagreement,
     default_ref_batch,
-    target_fingerprint,
 )
 from flashdraft.eval.replay import Method, methods_for
-from flashdraft.target import TargetModel, check_pair
+from flashdraft.target import TargetModel, check_pair, target_fingerprint
 
 
 @dataclass

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from flashdraft.eval.frozen import is_frozen_file, read_frozen_records
+
 HELDOUT_FRACTION = 0.02  # must match the data pipeline's default eval_fraction (flashdraft.data)
 
 
@@ -160,11 +162,9 @@ def load_eval_prompts(spec: str, target: Any, limit: int | None = None) -> list[
         prompts = _from_dataset_dir(Path(spec), limit)
     elif _is_ids_jsonl(Path(spec)):
         prompts = _from_ids_jsonl(Path(spec), limit)
-    elif "flashdraft-frozen-references" in _first_line(Path(spec)):
-        from flashdraft.eval.references import read_frozen
-
-        refs = read_frozen(spec, limit).references  # the prompts a frozen yardstick was made from
-        prompts = [EvalPrompt(r.id, r.prompt_ids, r.template) for r in refs]
+    elif is_frozen_file(spec):  # the prompts a frozen yardstick was made from
+        _, records = read_frozen_records(spec, limit)
+        prompts = [EvalPrompt(r["id"], r["prompt_ids"], r["template"]) for r in records]
     else:
         if not Path(spec.split(":", 1)[-1]).exists():
             raise FileNotFoundError(

@@ -35,7 +35,9 @@ from typing import Any
 
 import torch
 
+from flashdraft.eval.frozen import FROZEN_FORMAT, read_frozen_records
 from flashdraft.eval.prompts import EvalPrompt
+from flashdraft.target import target_fingerprint
 
 FORMAT = "flashdraft-reference/1"
 
@@ -134,26 +136,6 @@ def target_stop_ids(target: Any) -> list[int]:
     if tok is not None and tok.eos_token_id is not None:
         ids.add(int(tok.eos_token_id))
     return sorted(int(i) for i in ids)
-
-
-_FINGERPRINTS: dict[int, tuple[Any, str]] = {}
-
-
-def target_fingerprint(target: Any) -> str:
-    """A hash of the target's geometry, dtype and a strided sample of every weight (cheap, ~4K values each)."""
-    hit = _FINGERPRINTS.get(id(target))
-    if hit is not None and hit[0] is target:
-        return hit[1]
-    h = hashlib.sha256()
-    h.update(json.dumps(target.geometry(), sort_keys=True, default=str).encode())
-    for name, p in target.model.named_parameters():
-        flat = p.detach().reshape(-1)
-        step = max(1, flat.numel() // 4096)
-        h.update(name.encode())
-        h.update(flat[::step].to("cpu", torch.float64).numpy().tobytes())
-    digest = h.hexdigest()[:24]
-    _FINGERPRINTS[id(target)] = (target, digest)
-    return digest
 
 
 def prompt_seed(base: int, prompt_id: str) -> int:
@@ -383,8 +365,6 @@ class ReferenceCheck:
 
 # ----------------------------------------------------------------------------- frozen reference sets
 
-FROZEN_FORMAT = "flashdraft-frozen-references/1"
-
 
 @dataclass
 class FrozenSet:
@@ -449,40 +429,12 @@ def read_frozen(path: str | Path, limit: int | None = None) -> FrozenSet:
     evaluate() checks each against the local target's teacher-forced argmax and cuts it at the first
     disagreement, so a frozen set stays usable on another engine, dtype or device."""
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"{path}: no frozen reference file (benchmarks/yardstick/make_references.py writes one)"
+    head, records = read_frozen_records(path, limit)
+    refs = [
+        Reference(
+            **r, source=f"frozen:{path.name}", temperature=0.0, seed=None, key=f"frozen:{path.name}:{r['id']}"
         )
-    refs: list[Reference] = []
-    head: dict[str, Any] | None = None
-    for n, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-            if rec.get("format") != FROZEN_FORMAT:
-                raise ValueError(f"format {rec.get('format')!r}, expected {FROZEN_FORMAT!r}")
-            meta = {
-                k: rec[k]
-                for k in ("target", "target_fingerprint", "dtype", "max_new_tokens", "stop_token_ids")
-            }
-            ref = Reference(
-                str(rec["id"]), [int(i) for i in rec["prompt_ids"]], [int(i) for i in rec["tokens"]],
-                str(rec.get("template", "token ids")), f"frozen:{path.name}", 0.0, None, str(rec["stop_reason"]),
-                f"frozen:{path.name}:{rec['id']}",
-            )  # fmt: skip
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"{path}:{n}: not a frozen reference line ({e})") from None
-        if head is None:
-            head = meta
-        elif meta != head:
-            raise ValueError(
-                f"{path}:{n}: target or settings differ from line 1: one file, one target and setting"
-            )
-        refs.append(ref)
-        if limit is not None and len(refs) >= limit:
-            break
-    if head is None:
-        raise ValueError(f"{path}: empty frozen reference file")
+        for r in records
+    ]
     return FrozenSet(path, refs, head["target"], head["target_fingerprint"], head["dtype"],
                      int(head["max_new_tokens"]), [int(i) for i in head["stop_token_ids"]])  # fmt: skip

@@ -11,7 +11,8 @@ import torch
 from flashdraft.decode.generate import generate
 from flashdraft.eval.evaluate import evaluate
 from flashdraft.eval.prompts import EvalPrompt
-from flashdraft.eval.references import ReferenceSettings, ServerConfig, compute_references, target_fingerprint
+from flashdraft.eval.references import ReferenceSettings, ServerConfig, compute_references
+from flashdraft.target import target_fingerprint
 from tests.conftest import tiny_drafter, tiny_target
 
 PROMPTS = [EvalPrompt(f"p{i}", [3 + i, 7, 9, 11 + i, 4], "token ids") for i in range(3)]
