@@ -98,3 +98,19 @@ def test_overwrite_swaps_in_the_new_folder_and_removes_the_old(tmp_path: Path) -
     move_into_place(staged, dest, overwrite=True)
     assert sorted(p.name for p in dest.iterdir()) == ["new.txt"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+@pytest.mark.parametrize(("mask", "dir_mode", "file_mode"), MODES)
+def test_reference_cache_and_frozen_files_follow_the_umask(
+    tmp_path: Path, umask, mask, dir_mode, file_mode
+) -> None:  # type: ignore[no-untyped-def]
+    from flashdraft.eval.prompts import EvalPrompt
+    from flashdraft.eval.references import ReferenceSettings, compute_references, write_frozen
+
+    target = tiny_target("llama")
+    umask(mask)
+    settings = ReferenceSettings(max_new_tokens=4)
+    refs = compute_references(target, [EvalPrompt("p", [1, 5, 7], "token ids")], settings,
+                              cache_dir=tmp_path / "cache", progress=False).references  # fmt: skip
+    assert {_mode(p) for p in (tmp_path / "cache").rglob("*.json")} == {file_mode}
+    assert _mode(write_frozen(tmp_path / "set.jsonl", refs, target, settings)) == file_mode

@@ -25,7 +25,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -37,6 +36,7 @@ import torch
 
 from flashdraft.eval.frozen import FROZEN_FORMAT, read_frozen_records
 from flashdraft.eval.prompts import EvalPrompt
+from flashdraft.files import atomic_write_text
 from flashdraft.target import target_fingerprint
 
 FORMAT = "flashdraft-reference/1"
@@ -170,11 +170,7 @@ def _read(path: Path) -> Reference | None:
 
 
 def _write(path: Path, ref: Reference) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        json.dump({"format": FORMAT, **asdict(ref)}, f)
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps({"format": FORMAT, **asdict(ref)}))
 
 
 # ----------------------------------------------------------------------------- producers
@@ -415,12 +411,7 @@ def write_frozen(
         )
         for r in refs
     ]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        f.write("".join(line + "\n" for line in lines))
-    os.chmod(tmp, 0o644)  # a file to commit and share (mkstemp makes it owner-only)
-    os.replace(tmp, path)
+    atomic_write_text(path, "".join(line + "\n" for line in lines))  # the umask's mode: a file to share
     return path
 
 
