@@ -53,6 +53,7 @@ from flashdraft.data.generate import Generator
 from flashdraft.data.sources import Conversation, SourceStats, iter_conversations
 from flashdraft.data.template import ChatTemplate, ConversationBuilder
 from flashdraft.errors import UserError
+from flashdraft.files import atomic_write_text
 
 log = logging.getLogger("flashdraft.data")
 
@@ -390,9 +391,7 @@ def _regenerate_in(
             shard_drops: Counter[str] = Counter()
             samples = regenerate_shard(sh, template, generator, cfg, k, progress, shard_drops)
             slowest = max(slowest, time.perf_counter() - t_shard)
-            tmp = _drops_file(path_of[k]).with_suffix(".tmp")
-            tmp.write_text(json.dumps(dict(shard_drops)))
-            os.replace(tmp, _drops_file(path_of[k]))
+            atomic_write_text(_drops_file(path_of[k]), json.dumps(dict(shard_drops)))
             tmp = path_of[k].with_suffix(".tmp")
             _write_parquet(samples, tmp)
             os.replace(tmp, path_of[k])  # a shard exists only once complete

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from flashdraft.errors import UserError
+from flashdraft.files import atomic_write_text
 
 log = logging.getLogger("flashdraft.data")
 
@@ -101,9 +102,7 @@ class SourceStats:
 
     def write_bad(self, path: Path) -> None:
         """Every skipped record, one per line (file:line: reason), written atomically."""
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text("".join(f"{b}\n" for b in self.bad))
-        tmp.replace(path)
+        atomic_write_text(path, "".join(f"{b}\n" for b in self.bad))
 
     def check(self, final: bool = True) -> None:
         if self.total == 0 or (not final and self.total < self.min_records_for_check):

@@ -26,7 +26,6 @@ import hashlib
 import json
 import os
 import statistics
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,6 +33,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from flashdraft.files import atomic_write_text
 
 Choice = tuple[str, int | None]  # ("ar", None) | ("chain", None) | ("ddtree", budget)
 
@@ -181,11 +182,7 @@ def calibrate(
         generate_fn(target, d, ids, **kw, on_tokens=tick)
         seconds[label(choice)] = statistics.median(b - a for a, b in zip(marks, marks[1:], strict=False))
     table = CostTable(key, seconds, _device_name(target.device), engine, time.strftime("%Y-%m-%dT%H:%M:%S"))
-    cache.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=cache)
-    with os.fdopen(fd, "w") as f:
-        json.dump(table.__dict__, f)
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(table.__dict__))
     return table
 
 

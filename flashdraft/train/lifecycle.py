@@ -31,6 +31,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from flashdraft.files import atomic_write_text
+
 HEARTBEAT_FILE = "heartbeat.json"
 HEARTBEAT_S = 15.0
 STALE_BEATS = 4  # another host's run is taken for dead after this many missed heartbeats
@@ -105,9 +107,7 @@ class RunSignals:
 
 
 def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(data) + "\n")
-    tmp.replace(path)
+    atomic_write_text(path, json.dumps(data) + "\n")
 
 
 class Heartbeat:

@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -34,6 +32,7 @@ from flashdraft.eval.evaluate import ReferenceStats, _checked_item, summarize
 from flashdraft.eval.offline import ReplayItem, TeacherForced, replay_batch
 from flashdraft.eval.references import Reference
 from flashdraft.eval.replay import Method, methods_for
+from flashdraft.files import atomic_write_text
 from flashdraft.train.config import EvalConfig
 
 REFERENCES_FILE = "val_references.jsonl"  # in the run folder: the references a run validated on
@@ -112,13 +111,7 @@ def read_references(path: str | Path, limit: int | None = None) -> list[Referenc
 
 def write_references(refs: list[Reference], path: str | Path) -> None:
     """One JSON line per reference (all its fields), written atomically."""
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", dir=p.parent)
-    with os.fdopen(fd, "w") as f:
-        for r in refs:
-            f.write(json.dumps(asdict(r)) + "\n")
-    os.replace(tmp, p)
+    atomic_write_text(path, "".join(json.dumps(asdict(r)) + "\n" for r in refs))
 
 
 def compute_validation_references(
