@@ -28,7 +28,17 @@ cs = importlib.util.module_from_spec(_spec)  # type: ignore[arg-type]
 sys.modules["campaign_stint"] = cs  # dataclasses look their module up while the script is executed
 _spec.loader.exec_module(cs)  # type: ignore[union-attr]
 
-HE = "/root/stage/HumanEval.jsonl.gz"
+HE = "/st/HumanEval.jsonl.gz"
+
+
+@pytest.fixture(autouse=True)
+def _gpu_folders(monkeypatch: pytest.MonkeyPatch) -> None:
+    """env.sh's folders, as the scripts see them on the CUDA host."""
+    monkeypatch.setenv("STAGE", "/st")
+    monkeypatch.setenv("WORK", "/wk")
+    monkeypatch.delenv("TARGET", raising=False)
+
+
 CONFIG_PATH = REPO / "configs" / "smollm2-b16.yaml"
 
 
@@ -44,7 +54,7 @@ def test_dry_run_commands_parse_with_the_cli(capsys: pytest.CaptureFixture[str])
         "train": 3.5,
     }  # training takes the rest, 1 min shipping
     regen = _parse(cmd["regen"])
-    assert regen["input"] == ["sharegpt:/root/stage/sharegpt_compact.json.gz"] and regen["out"] == "/w/new"
+    assert regen["input"] == ["sharegpt:/st/sharegpt_compact.json.gz"] and regen["out"] == "/w/new"
     assert regen["contamination"] == [f"humaneval:{HE}"]  # the HumanEval check on, with the staged copy
     assert (regen["seed"], regen["temperature"], regen["max_turns"]) == (
         plan.seed,
@@ -79,7 +89,7 @@ def test_a_later_call_trains_on_given_data_without_regeneration(capsys: pytest.C
         set(cmd) == {"plan", "budget", "train"} and cmd["budget"]["train"] == 8.3
     )  # 9.3 less 1 for shipping
     assert "data.dataset=/c/all" in cmd["train"]
-    assert "eval.dataset=humaneval:/root/stage/HumanEval.jsonl.gz" in cmd["train"]
+    assert f"eval.dataset=humaneval:{HE}" in cmd["train"]
     args = cs.parse_args(["--stint", "4", "--val-references", "/c/refs.jsonl"])
     cfg = load_config(TrainConfig, CONFIG_PATH, cs.train_args(args, Path("/d"), Path("/r"), "m", 5.0)[2:])
     assert cfg.eval.references == "/c/refs.jsonl" and cfg.eval.dataset == ""
@@ -242,3 +252,15 @@ def test_a_later_call_trains_from_the_last_call_s_weights_and_references(tmp_pat
     cfg = load_config(TrainConfig, train["config"], train["overrides"])
     assert cfg.eval.references == str(tmp_path / "train-1" / "val_references.jsonl") and not cfg.eval.dataset
     assert st.state["train_runs"] == ["train-1", "train-2"]
+
+
+def test_defaults_follow_env_sh_folders(monkeypatch: pytest.MonkeyPatch) -> None:
+    a = cs.parse_args(["--stint", "2"])
+    assert a.target == "/wk/smollm2-bf16" and a.humaneval == HE
+    monkeypatch.delenv("STAGE")
+    monkeypatch.delenv("WORK")
+    monkeypatch.setenv("GPU_DIR", "/g")
+    assert (
+        cs.gpu_dir("work") == Path("/g/work")
+        and cs.parse_args(["--stint", "2"]).humaneval == "/g/stage/HumanEval.jsonl.gz"
+    )

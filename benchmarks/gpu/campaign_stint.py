@@ -8,7 +8,7 @@ last weights, an eval — the weights (and the new data when it fits) sent back 
     python3 benchmarks/gpu/campaign_stint.py --stint 3 ... --dry-run        # the command lines as JSON, nothing run
 
 A device call runs at most 10 minutes, so a 30-minute stint is three calls on the same warm machine (its work
-folder, /root/work/stint-K, survives between back-to-back calls): the first regenerates for --regen-min minutes,
+folder, $WORK/stint-K, survives between back-to-back calls): the first regenerates for --regen-min minutes,
 merges and trains; the next ones train further (each call's training is one LR schedule, warm-up included, from
 the previous call's last weights: `runtime.fit_steps_to_time_limit` fits a schedule to the minutes a call has);
 the last also evaluates. Training takes every minute the other phases leave (--budget-min minus regen, eval and
@@ -55,6 +55,12 @@ SHIP_MIN = 1.0  # minutes kept at the end of a call for the bf16 drafter, the ta
 # of the training phase's minutes, those before the trainer's clock starts (target load, validation references,
 # the teacher-forced pass) and after it stops (the last checkpoint); runtime.time_limit_min gets the rest
 TRAIN_OVERHEAD_MIN = 1.0
+
+
+def gpu_dir(name: str) -> Path:
+    """env.sh's folders: $STAGE / $WORK when set, else under $GPU_DIR (default ~/flashdraft-gpu)."""
+    root = Path(os.environ.get("GPU_DIR", Path.home() / "flashdraft-gpu"))
+    return Path(os.environ.get(name.upper(), root / name))
 
 
 class StintError(ValueError):
@@ -184,7 +190,7 @@ class Stint:
 
     def __init__(self, a: argparse.Namespace) -> None:
         self.a = a
-        self.work = Path(a.work or f"/root/work/stint-{a.stint}")
+        self.work = Path(a.work or gpu_dir("work") / f"stint-{a.stint}")
         self.out = Path(a.out or os.environ.get("OUT", "out"))
         self.state_path = self.work / "state.json"
         self.state: dict[str, Any] = {"stint": a.stint, "plan": asdict(plan_for(a.stint)), "minutes": {},
@@ -383,7 +389,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--eval-min", type=float, default=0.0, help="0: no eval phase (the trainer's val/* still log)"
     )
-    p.add_argument("--target", default=os.environ.get("TARGET", "/root/work/smollm2-bf16"))
+    p.add_argument("--target", default=os.environ.get("TARGET", str(gpu_dir("work") / "smollm2-bf16")))
     p.add_argument("--eval-target", default=None, help="the eval's float32 target (default: --target)")
     p.add_argument(
         "--init-from", default="models/smollm2-135m-instruct-dflash-b16", help="the last shipped weights"
@@ -394,7 +400,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--input", action="append", default=None, help="training prompts (default: the staged ShareGPT)"
     )
     p.add_argument(
-        "--humaneval", default="/root/stage/HumanEval.jsonl.gz", help="HumanEval for contamination"
+        "--humaneval",
+        default=str(gpu_dir("stage") / "HumanEval.jsonl.gz"),
+        help="HumanEval for contamination",
     )
     p.add_argument("--max-new-tokens", type=int, default=512, help="regeneration cap per answer")
     p.add_argument("--val-every", type=int, default=1000, help="trainer validation interval (eval.every)")
@@ -406,13 +414,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--bundle-mib", type=float, default=60.0, help="new data rides in the bundle below this size"
     )
-    p.add_argument("--work", default=None, help="work folder (default /root/work/stint-K)")
+    p.add_argument("--work", default=None, help="work folder (default $WORK/stint-K)")
     p.add_argument("--out", default=None, help="what comes back (default $OUT)")
     p.add_argument(
         "--dry-run", action="store_true", help="print the plan and command lines as JSON; run nothing"
     )
     a = p.parse_args(argv)
-    a.input = a.input or ["sharegpt:/root/stage/sharegpt_compact.json.gz"]
+    a.input = a.input or [f"sharegpt:{gpu_dir('stage') / 'sharegpt_compact.json.gz'}"]
     for spec in a.input:
         check_training_input(spec)
     return a
@@ -420,7 +428,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def commands(a: argparse.Namespace, budget: Budget) -> dict[str, Any]:
     """Every command line the stint would run this call (the dry run's output; tests parse them with the CLI)."""
-    work = Path(a.work or f"/root/work/stint-{a.stint}")
+    work = Path(a.work or gpu_dir("work") / f"stint-{a.stint}")
     data = Path(a.data) if a.data else work / "data"
     out: dict[str, Any] = {"plan": asdict(plan_for(a.stint)), "budget": asdict(budget)}
     phases = a.phases.split(",")
