@@ -407,7 +407,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=512, help="regeneration cap per answer")
     p.add_argument("--val-every", type=int, default=1000, help="trainer validation interval (eval.every)")
     p.add_argument(
-        "--val-references", default=None, help="the trainer's validation references (a run's file)"
+        "--val-references", default=None, help="the trainer's validation references (a frozen reference file)"
     )
     p.add_argument("--eval-set", action="append", default=None, help="NAME=SPEC@LIMIT (repeatable)")
     p.add_argument("--train-extra", nargs="*", default=[], help="more key=value training overrides")

@@ -2,8 +2,9 @@
 
     head, records = read_frozen_records("benchmarks/yardstick/humaneval-partial-58of164.jsonl")
 
-Written by `flashdraft.eval.references.write_frozen` (benchmarks/yardstick/make_references.py); read here as
-plain records so that both the references (eval/references.py) and the prompt sets (eval/prompts.py: a frozen
+Written by `flashdraft.eval.references.write_frozen` (benchmarks/yardstick/make_references.py, and the
+trainer's RUN/val_references.jsonl); read here as plain records so that the references (eval/references.py:
+`flashdraft eval --references`, the trainer's eval.references) and the prompt sets (eval/prompts.py: a frozen
 file is also a prompt set) use one parser without importing each other.
 """
 
@@ -45,6 +46,8 @@ def read_frozen_records(
             rec = json.loads(line)
             if rec.get("format") != FROZEN_FORMAT:
                 raise ValueError(f"format {rec.get('format')!r}, expected {FROZEN_FORMAT!r}")
+            if float(rec.get("temperature", 0.0)) != 0:
+                raise ValueError(f"temperature {rec['temperature']}: frozen references are greedy (T=0)")
             meta = {k: rec[k] for k in _HEAD_KEYS}
             record = {
                 "id": str(rec["id"]),

@@ -10,9 +10,10 @@ are token-identical to plain autoregressive decoding. Batched local references (
 greedy only; the default, see `default_ref_batch`) come from flashdraft's batched greedy loop on a CPU
 and from the batched native engine (`flashdraft.data.generate.native_generate`, static cache, CUDA
 graphs) on CUDA; server references from an OpenAI-compatible SGLang/vLLM endpoint; frozen references
-from a committed JSONL file (`write_frozen` / `read_frozen`, benchmarks/yardstick/). None of these is
-exact AR of the local target, so evaluate() checks them against the local target's teacher-forced
-argmax, cuts them at the first disagreement and reports the agreement rate (`cut_at_disagreement`).
+from a frozen JSONL file (`write_frozen` / `read_frozen`: benchmarks/yardstick/, the trainer's
+RUN/val_references.jsonl). None of these is exact AR of the local target, so evaluate() checks them
+against the local target's teacher-forced argmax, cuts them at the first disagreement and reports the
+agreement rate (`cut_at_disagreement`).
 
 Cache: one JSON file per reference under `cache_dir` (default ~/.cache/flashdraft/references or
 $FLASHDRAFT_CACHE/references), named by a hash of the target's identity (geometry, dtype and a

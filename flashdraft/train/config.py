@@ -212,8 +212,9 @@ class EvalConfig:
     start-up; each validation costs the drafter's replay only."""
 
     every: int = 0  # optimizer steps between validations (and the schedule's last step); 0: off
-    # a JSONL of {"id", "prompt_ids", "tokens"}: prompts and the target's greedy continuations (a run with `dataset`
-    # writes one: RUN/val_references.jsonl); or leave empty and name `dataset`
+    # a frozen reference file (benchmarks/yardstick/*.jsonl, or the RUN/val_references.jsonl a run with `dataset`
+    # writes): the first `limit` lines, each cut at its first disagreement with this target's argmax, as
+    # `flashdraft eval --references` does; or leave empty and name `dataset`
     references: str = ""
     # an eval prompt set (humaneval, sharegpt-heldout, humaneval:PATH, a dataset folder): its references are computed
     # once at start-up as `flashdraft eval` computes them (cached) and saved to RUN/val_references.jsonl
@@ -362,7 +363,7 @@ class TrainConfig:
             raise ConfigError(f"eval.every {e.every} must be >= 0 (0: no validation)")
         if e.every and bool(e.references) == bool(e.dataset):
             raise ConfigError(
-                "eval.every > 0 needs exactly one of eval.references (a JSONL of prompt_ids + tokens) and "
+                "eval.every > 0 needs exactly one of eval.references (a frozen reference file) and "
                 "eval.dataset (e.g. humaneval), or eval.every=0"
             )
         if e.limit is not None and e.limit < 1:

@@ -1,27 +1,31 @@
 """Validation τ inside the trainer: `flashdraft eval`'s replay over fixed held-out references, every N steps.
 
     flashdraft train configs/smollm2-b16.yaml eval.every=500 eval.dataset=humaneval eval.limit=32
-    flashdraft train ... eval.every=500 eval.references=refs/humaneval-256.jsonl   # {"id", "prompt_ids", "tokens"}
+    flashdraft train ... eval.every=500 eval.dataset= eval.references=benchmarks/yardstick/humaneval-164.jsonl
 
 The training metrics' `train_streak_tau` is a streak over *every* anchor of the training batches, on
 training answers: it read 6.95 where held-out chain τ was 3–4. This module measures what `flashdraft eval`
-measures, with its own code: the references (`flashdraft.eval.references`, or a file of them), each checked
-by one teacher-forced target pass (`flashdraft.eval.evaluate._checked_item`, done once at start-up and kept),
-then at every validation the drafter's replay (`flashdraft.eval.offline.replay_batch`) summarised by
-`flashdraft.eval.evaluate.summarize`. So val/chain_tau, val/ddtree_tau (the best budget's τ) and
-val/topk_streak equal `flashdraft eval`'s numbers on the same references, target dtype and drafter weights
-(tests/train/test_validation.py, float64). On CUDA the trainer's target is bf16 and its drafter fp32 master
-weights (the EMA's averages when optim.ema_decay > 0: what checkpoints hold), so the figures sit close to,
-not exactly on, a float32 `flashdraft eval`.
+measures, with its own code: the references (`flashdraft.eval.references`, or a frozen reference file: the
+format of benchmarks/yardstick/ and of the RUN/val_references.jsonl a run with eval.dataset writes), each
+checked by one teacher-forced target pass and cut at its first disagreement with the target's argmax
+(`flashdraft.eval.evaluate._checked_item`, done once at start-up and kept), then at every validation the
+drafter's replay (`flashdraft.eval.offline.replay_batch`) summarised by `flashdraft.eval.evaluate.summarize`.
+So val/chain_tau, val/ddtree_tau (the best budget's τ) and val/topk_streak equal `flashdraft eval
+--references FILE`'s numbers on the same file, target dtype and drafter weights (tests/train/test_validation.py,
+float64). On CUDA the trainer's target is bf16 and its drafter fp32 master weights (the EMA's averages when
+optim.ema_decay > 0: what checkpoints hold), so the figures sit close to, not exactly on, a float32
+`flashdraft eval`; a float32 yardstick read by a bf16 target gets a one-line warning (another fingerprint) and
+is cut where bf16's argmax differs.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import sys
 import time
-from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -30,9 +34,9 @@ import torch
 from flashdraft.config import ConfigError
 from flashdraft.eval.evaluate import ReferenceStats, _checked_item, summarize
 from flashdraft.eval.offline import ReplayItem, TeacherForced, replay_batch
-from flashdraft.eval.references import Reference
+from flashdraft.eval.references import Reference, read_frozen, write_frozen
 from flashdraft.eval.replay import Method, methods_for
-from flashdraft.files import atomic_write_text
+from flashdraft.target import target_fingerprint
 from flashdraft.train.config import EvalConfig
 
 REFERENCES_FILE = "val_references.jsonl"  # in the run folder: the references a run validated on
@@ -74,56 +78,91 @@ class _Heads:
 # ----------------------------------------------------------------------------- reference files
 
 
-def read_references(path: str | Path, limit: int | None = None) -> list[Reference]:
-    """The first `limit` references of a JSONL of {"id"?, "prompt_ids": [ints], "tokens": [ints], ...}: `tokens`
-    is the target's continuation (new tokens only). Fields a line leaves out default to an exact local greedy
-    reference (never cut at a disagreement)."""
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(
-            f"eval.references {p}: no such file (write one with eval.dataset: RUN/{REFERENCES_FILE})"
-        )
+def _is_legacy(path: Path) -> bool:
+    """A RUN/val_references.jsonl written before 2026-12-06: one `asdict(Reference)` per line, no format tag."""
+    with path.open(errors="replace") as f:
+        first = next((line for line in f if line.strip()), "")
+    try:
+        rec = json.loads(first)
+    except json.JSONDecodeError:
+        return False
+    return isinstance(rec, dict) and "format" not in rec and {f.name for f in fields(Reference)} <= rec.keys()
+
+
+def _read_legacy(path: Path, limit: int | None) -> list[Reference]:
+    """The legacy per-Reference lines, kept as written (their `source`, so a resumed run cuts exactly as before)."""
     out: list[Reference] = []
-    for n, line in enumerate(p.read_text().splitlines(), start=1):
+    for n, line in enumerate(path.read_text().splitlines(), start=1):
         if not line.strip():
             continue
         try:
             rec = json.loads(line)
-            prompt, tokens = [int(i) for i in rec["prompt_ids"]], [int(i) for i in rec["tokens"]]
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+            ref = Reference(**rec)
+            ref.prompt_ids, ref.tokens = [int(i) for i in ref.prompt_ids], [int(i) for i in ref.tokens]
+            if float(ref.temperature) != 0:
+                raise ValueError(f"temperature {ref.temperature}: validation references are greedy")
+        except (json.JSONDecodeError, TypeError, ValueError) as e:
             raise ConfigError(
-                f'{p}:{n}: expected {{"prompt_ids": [ints], "tokens": [ints]}} ({type(e).__name__}: {e}); '
-                "fix the line or point eval.references at another file"
+                f"{path}:{n}: not a validation reference line ({e}): fix or delete the line"
             ) from None
-        out.append(
-            Reference(
-                str(rec.get("id", f"{p.stem}-{n}")), prompt, tokens, str(rec.get("template", "token ids")),
-                str(rec.get("source", "local")), float(rec.get("temperature", 0.0)), rec.get("seed"),
-                str(rec.get("stop_reason", "")), str(rec.get("key", "")),
-            )
-        )  # fmt: skip
+        out.append(ref)
         if limit is not None and len(out) >= limit:
             break
-    if not out:
-        raise ConfigError(f"eval.references {p}: no references in the file")
     return out
 
 
-def write_references(refs: list[Reference], path: str | Path) -> None:
-    """One JSON line per reference (all its fields), written atomically."""
-    atomic_write_text(path, "".join(json.dumps(asdict(r)) + "\n" for r in refs))
+def read_validation_references(
+    path: str | Path, cfg: EvalConfig, target: Any, warn: Callable[[str], None] | None = None
+) -> list[Reference]:
+    """The first eval.limit references of a frozen reference file (`flashdraft.eval.references.read_frozen`:
+    benchmarks/yardstick/*.jsonl, RUN/val_references.jsonl), source "frozen:<name>", so each is checked against
+    this target's teacher-forced argmax and cut at its first disagreement as `flashdraft eval --references`
+    does. `warn` gets one line when the file was written by another target or dtype. A legacy
+    RUN/val_references.jsonl (before 2026-12-06) is read as written."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(
+            f"eval.references {p}: no such file (benchmarks/yardstick/make_references.py writes one; "
+            f"a run with eval.dataset writes RUN/{REFERENCES_FILE})"
+        )
+    if _is_legacy(p):
+        return _read_legacy(p, cfg.limit)
+    try:
+        frozen = read_frozen(p, cfg.limit)
+    except ValueError as e:
+        raise ConfigError(f"{e}: fix it, or point eval.references at a frozen reference file") from None
+    if cfg.max_new_tokens > frozen.max_new_tokens:
+        raise ConfigError(
+            f"eval.max_new_tokens {cfg.max_new_tokens} > the {frozen.max_new_tokens} tokens of {p}: "
+            f"set eval.max_new_tokens={frozen.max_new_tokens} or less"
+        )
+    mine = target_fingerprint(target)
+    if frozen.fingerprint != mine and warn is not None:
+        warn(
+            f"warning: validation references {p} were written by {frozen.target} ({frozen.dtype}, fingerprint "
+            f"{frozen.fingerprint}), not this target ({str(target.dtype).removeprefix('torch.')}, fingerprint "
+            f"{mine}): each reference is cut at its first disagreement with this target's argmax"
+        )
+    return frozen.references
 
 
 def compute_validation_references(
-    cfg: EvalConfig, target: Any, run_dir: Path, progress: bool = True
+    cfg: EvalConfig,
+    target: Any,
+    run_dir: Path,
+    progress: bool = True,
+    warn: Callable[[str], None] | None = None,
 ) -> list[Reference]:
     """eval.references read, or eval.dataset's references as `flashdraft eval` computes them (its cache, its
-    batching default), saved to RUN/val_references.jsonl; a resumed run reads that file instead."""
+    batching default), saved as a frozen reference file to RUN/val_references.jsonl; a resumed run reads that
+    file instead. Greedy only (validation has no temperature). Computed references are batched ones
+    (`default_ref_batch` > 1), cut at their first disagreement like the frozen file's: a resumed run replays
+    the same tokens as the fresh one."""
     if cfg.references:
-        return read_references(cfg.references, cfg.limit)
+        return read_validation_references(cfg.references, cfg, target, warn)
     saved = run_dir / REFERENCES_FILE
     if saved.is_file():
-        return read_references(saved, cfg.limit)
+        return read_validation_references(saved, cfg, target, warn)
     from flashdraft.eval.prompts import load_eval_prompts
     from flashdraft.eval.references import ReferenceSettings, compute_references, default_ref_batch
 
@@ -131,12 +170,19 @@ def compute_validation_references(
         prompts = load_eval_prompts(cfg.dataset, target, cfg.limit)
     except (FileNotFoundError, ValueError) as e:
         raise ConfigError(f"eval.dataset: {e}") from None
+    settings = ReferenceSettings(cfg.max_new_tokens)
     rs = compute_references(
-        target, prompts, ReferenceSettings(cfg.max_new_tokens), progress=progress,
-        batch_size=default_ref_batch(target.device),
+        target, prompts, settings, progress=progress, batch_size=default_ref_batch(target.device)
     )  # fmt: skip
-    write_references(rs.references, saved)
+    if not _other_rank():  # one writer; every rank computed the same references
+        write_frozen(saved, rs.references, target, settings)
     return rs.references
+
+
+def _other_rank() -> bool:
+    """A torchrun rank other than 0."""
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized() and dist.get_rank() != 0
 
 
 # ----------------------------------------------------------------------------- the validation
@@ -201,7 +247,8 @@ def build_validation(
 ) -> Validation:  # fmt: skip
     """References and their teacher-forced passes, once. `target`: the full target (any device); `heads`: its
     embedding and head on the drafter's device when the target runs elsewhere (FrozenHeads)."""
-    refs = compute_validation_references(cfg, target, Path(run_dir), progress)
+    warn = None if _other_rank() else (lambda line: print(line, file=sys.stderr))
+    refs = compute_validation_references(cfg, target, Path(run_dir), progress, warn)
     stats = ReferenceStats(len(refs), refs[0].source, 0.0, 0, 0, len(refs), 0.0, 0, 0, None, 0)
     layer_ids = list(drafter.config.target_layer_ids)  # type: ignore[union-attr]
     items = [_checked_item(target, r, cfg.max_new_tokens, layer_ids, stats) for r in refs]

