@@ -309,6 +309,19 @@ def test_frozen_file_errors_are_one_line_naming_the_fix(tmp_path: Path, capsys) 
         compute_validation_references(cfg, target, tmp_path)
 
 
+YARDSTICKS = sorted((Path(__file__).resolve().parents[2] / "benchmarks" / "yardstick").glob("*.jsonl"))
+
+
+@pytest.mark.parametrize("path", YARDSTICKS, ids=[p.name for p in YARDSTICKS])
+def test_a_committed_yardstick_is_a_validation_set(path: Path, capsys) -> None:  # noqa: ANN001
+    """eval.references=benchmarks/yardstick/FILE: its first eval.limit lines at the shipped config's length."""
+    cfg = load_config(TrainConfig, Path(__file__).resolve().parents[2] / "configs" / "smollm2-b16.yaml").eval
+    cfg.references, cfg.dataset = str(path), ""
+    got = compute_validation_references(cfg, tiny_target("llama"), Path("/nonexistent"), warn=print)
+    assert len(got) == cfg.limit and all(r.source == f"frozen:{path.name}" for r in got)
+    assert "not this target" in capsys.readouterr().out  # the tiny target is not SmolLM2's
+
+
 def test_another_targets_frozen_file_warns_once_and_is_cut(tmp_path: Path, capsys) -> None:  # noqa: ANN001
     """A yardstick written by another target (or dtype: a float32 file read by a bf16 trainer): one warning line,
     and each reference is cut at its first disagreement with this target's argmax."""
