@@ -411,3 +411,34 @@ def test_a_verdict_against_a_drafter_no_longer_shipped_does_not_promote(
     out = capsys.readouterr().out
     assert "not promoted" in out and "compared with another shipped drafter: pass --yardstick again" in out
     assert (tmp_path / "models" / "model.safetensors").read_bytes() == shipped
+
+
+def test_the_real_yardstick_eval_pairs_the_stint_with_the_shipped_drafter(call: Path, tmp_path: Path) -> None:
+    """`flashdraft eval --references` run by the script (a subprocess, this checkout's package) on a saved tiny
+    target: the shipped drafter is the report's baseline and the stint's line gets its real paired verdicts."""
+    from flashdraft.eval.prompts import EvalPrompt
+    from flashdraft.eval.references import ReferenceSettings, compute_references, write_frozen
+
+    _models(tmp_path)
+    target = tiny_target("llama", dtype=torch.float32)  # the one the bundle's and the shipped drafter fit
+    target.model.save_pretrained(tmp_path / "target")
+    prompts = [EvalPrompt(f"c{i}", [3 + i, 8, 13, 21], "token ids") for i in range(3)]
+    s = ReferenceSettings(max_new_tokens=12, stop_token_ids=[])
+    refs = compute_references(target, prompts, s, cache_dir=tmp_path / "cache", progress=False).references
+    ys = write_frozen(tmp_path / "sharegpt-heldout-3.jsonl", refs, target, s)
+    argv = _argv(
+        tmp_path, call, "--yardstick", str(ys), "--target", str(tmp_path / "target"), "--threads", "1"
+    )
+    assert ci.main(argv) == 0
+    y = json.loads((tmp_path / "results" / "stints.jsonl").read_text())["yardstick"]["sharegpt-heldout-3"]
+    assert (y["baseline"], y["drafter"], y["prompts"]) == ("models", "stint-2/drafter", 3)
+    assert y["paired"]["chain"]["n"] == 3 and y["paired"]["chain"]["verdict"] in (
+        "better",
+        "worse",
+        "neither",
+    )
+    report = json.loads(
+        (tmp_path / "data" / "stint-2" / "yardstick" / "sharegpt-heldout-3" / "report.json").read_text()
+    )
+    assert y["new"]["chain_tau"] == report["drafters"]["stint-2/drafter"]["methods"]["chain"]["tau"]
+    assert report["dtype"] == "float32" and report["device"] == "cpu"
