@@ -4,9 +4,11 @@ distinct training tokens, from a JSONL of stints (one benchmarks/gpu/campaign_st
     python benchmarks/plot_learning_curve.py benchmarks/results/campaign/stints.jsonl --out curve.png --table
 
 A row needs "stint", "train_minutes" (this stint's; the plot adds them up in stint order), "cumulative":
-{"loss_tokens"} and "eval": {SET: {"chain_tau", "ddtree_tau"}}; a row without an eval plots its trainer
-validation ("val": {"val/chain_tau", "val/ddtree_tau"}) as the set "val". A starting point (the drafter the
-campaign began from) is a row like any other, with its own training minutes and tokens.
+{"loss_tokens"} and "eval": {SET: {"chain_tau", "ddtree_tau"}} (the stint's own eval on the GPU) and/or
+"yardstick": {FILE_STEM: {"new": {"chain_tau", "ddtree_tau"}}} (benchmarks/campaign_ingest.py's eval on a frozen
+yardstick file); a row with neither plots its trainer validation ("val": {"val/chain_tau", "val/ddtree_tau"}) as
+the set "val". A starting point (the drafter the campaign began from) is a row like any other, with its own
+training minutes and tokens.
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ def curve(rows: list[dict[str, Any]]) -> list[CurvePoint]:
     for r in sorted(rows, key=lambda r: r["stint"]):
         minutes += float(r.get("train_minutes") or 0.0)
         tau = {k: (float(v["chain_tau"]), v.get("ddtree_tau")) for k, v in (r.get("eval") or {}).items()}
+        for k, v in (r.get("yardstick") or {}).items():  # the stint's drafter on a frozen yardstick file
+            tau[k] = (float(v["new"]["chain_tau"]), v["new"].get("ddtree_tau"))
         val = r.get("val") or {}
         if not tau and "val/chain_tau" in val:
             tau["val"] = (float(val["val/chain_tau"]), val.get("val/ddtree_tau"))

@@ -15,6 +15,7 @@ hidden.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -48,6 +49,56 @@ class MethodSummary:
 
 
 @dataclass
+class PairedMethod:
+    """One method's per-prompt τ difference (this drafter minus the baseline) over the prompts both ran."""
+
+    delta: float | None  # mean per-prompt Δτ; None when no prompt is shared
+    se: float | None  # sample sd of the Δτ / sqrt(n); None when n < 2
+    n: int
+    verdict: str | None  # "better" (Δ ≥ 2·SE), "worse" (Δ ≤ −2·SE), "neither"; None when n < 2
+
+
+@dataclass
+class PairedComparison:
+    baseline: str  # the first drafter of the report
+    methods: dict[str, PairedMethod]
+
+
+def paired_method(deltas: list[float]) -> PairedMethod:
+    """Mean, standard error and two-SE verdict of per-prompt differences. A zero mean is "neither" even
+    when every difference is 0 (SE 0): the same drafter twice is not better than itself."""
+    n = len(deltas)
+    if n == 0:
+        return PairedMethod(None, None, 0, None)
+    mean = sum(deltas) / n
+    if n < 2:
+        return PairedMethod(mean, None, n, None)
+    se = math.sqrt(sum((x - mean) ** 2 for x in deltas) / (n - 1) / n)
+    if mean > 0 and mean >= 2 * se:
+        return PairedMethod(mean, se, n, "better")
+    if mean < 0 and mean <= -2 * se:
+        return PairedMethod(mean, se, n, "worse")
+    return PairedMethod(mean, se, n, "neither")
+
+
+def paired_comparison(
+    baseline: str, base: list[dict[str, Any]], other: list[dict[str, Any]], methods: list[str]
+) -> PairedComparison:
+    """Per method, `other`'s per-prompt τ minus `base`'s (DrafterReport.per_sample lists), paired by prompt id
+    over the prompts both have a τ for."""
+    base_tau = {s["id"]: s["tau"] for s in base}
+    out = {}
+    for m in methods:
+        deltas = [
+            float(s["tau"][m]) - float(base_tau[s["id"]][m])
+            for s in other
+            if m in s["tau"] and m in base_tau.get(s["id"], {})
+        ]
+        out[m] = paired_method(deltas)
+    return PairedComparison(baseline, out)
+
+
+@dataclass
 class DrafterReport:
     name: str
     path: str
@@ -62,6 +113,7 @@ class DrafterReport:
     drafter_blocks: int
     per_sample: list[dict[str, Any]] = field(default_factory=list)  # {"id", "tokens", "tau": {method: τ}}
     target_layer_ids: list[int] = field(default_factory=list)  # the target layers whose features it reads
+    paired: PairedComparison | None = None  # per-prompt Δτ vs the report's first drafter (None: the first)
 
 
 @dataclass
@@ -279,6 +331,11 @@ def evaluate(
     reports = {
         n: summarize(n, paths.get(n, ""), d, results[n], methods, seconds[n]) for n, d in drafters.items()
     }
+    first, *later = reports
+    for n in later:
+        reports[n].paired = paired_comparison(
+            first, reports[first].per_sample, reports[n].per_sample, [m.name for m in methods]
+        )
     notes = [
         "ddtree-N: a DDTree of N nodes (root excluded), tau <= N+1; topk-K: top-k streak (reference token in the "
         "drafter's top-K at every slot, the acceptance of a full top-K-per-slot tree), tau <= B",

@@ -68,6 +68,7 @@ def markdown_table(report: EvalReport) -> str:
     lines += ["", "| drafter | " + " | ".join(r.methods) + " |", "|---|" + "---:|" * len(r.methods)]
     for name, d in r.drafters.items():
         lines.append(f"| {name} | " + " | ".join(_fmt(d.methods[m].tau) for m in r.methods) + " |")
+    lines += paired_table(report)
     lines += ["", "Surrogate τ (1 + Σ q over drafted prefixes) vs measured:", "",
               "| drafter | " + " | ".join(r.methods) + " |", "|---|" + "---:|" * len(r.methods)]  # fmt: skip
     for name, d in r.drafters.items():
@@ -91,6 +92,29 @@ def markdown_table(report: EvalReport) -> str:
     for note in r.notes:
         lines.append(f"\n_{note}_")
     return "\n".join(lines) + "\n"
+
+
+def paired_table(report: EvalReport) -> list[str]:
+    """Markdown lines: each later drafter's mean per-prompt Δτ ± SE against the first drafter, per method, with
+    the two-SE verdict (n < 2: no verdict). No lines for a single drafter."""
+    rows = [(name, d.paired) for name, d in report.drafters.items() if d.paired is not None]
+    if not rows:
+        return []
+    lines = ["", f"Paired per prompt against {rows[0][1].baseline}: mean Δτ ± SE (sample sd / √n) over the prompts "
+             "both ran; better / worse when |Δ| ≥ 2 SE:", "",
+             "| drafter | n | " + " | ".join(report.methods) + " |", "|---|---:|" + "---:|" * len(report.methods)]  # fmt: skip
+    for name, p in rows:
+        cells = []
+        for m in report.methods:
+            pm = p.methods.get(m)
+            if pm is None or pm.delta is None:
+                cells.append("—")
+                continue
+            cell = f"{pm.delta:+.2f}" + (f" ± {pm.se:.2f}" if pm.se is not None else "")
+            cells.append(cell + (f" {pm.verdict}" if pm.verdict in ("better", "worse") else ""))
+        n = max((pm.n for pm in p.methods.values()), default=0)
+        lines.append(f"| {name} | {n} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def _plt():  # type: ignore[no-untyped-def]
