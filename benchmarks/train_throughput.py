@@ -5,8 +5,7 @@
     python benchmarks/train_throughput.py --device cpu --tiny --steps 3    # a CPU smoke run of the same code path
     python benchmarks/train_throughput.py --queue-depth 4                  # online pipeline: target in a producer thread
     python benchmarks/train_throughput.py --queue-depth 4 --device cuda:1 --target-device cuda:0
-    python benchmarks/train_throughput.py --feature-pass hf,native         # both feature passes, one process
-    python benchmarks/train_throughput.py --feature-pass native --compile attention,loss,target
+    python benchmarks/train_throughput.py --feature-pass hf,native,native-compiled   # feature passes, one process
 
 Each measured step runs the trainer's own code (`InProcessSource` → `Trainer.optimizer_step`),
 with a device sync around the target pass and around the drafter step so the split is exact
@@ -31,9 +30,10 @@ runs it; then "target_s" is the time the trainer waited for features (consumer w
 the consumer wait fraction, mean queue depth and producer time per batch are reported.
 Only the trainer's stream is synchronised around the drafter step, so the producer keeps
 running underneath it.
-`--feature-pass hf,native` runs the steps once per runtime.feature_pass (transformers' forward, or the
-native packed pass of `flashdraft.train.target_pass`) over the same target, documents and seeds, a fresh
-drafter each, and prints the ratios of the target pass time and target tokens/s after the results.
+`--feature-pass hf,native,native-compiled` runs the steps once per variant — runtime.feature_pass=hf
+(transformers' forward), =native (the packed pass of `flashdraft.train.target_pass`), and native with
+runtime.compile's "target" part (its whole forward compiled) — over the same target, documents and seeds, a
+fresh drafter each, and prints each variant's target pass time and target tokens/s against the first's.
 Documents are synthetic (random ids, the first `--prompt-frac` of each outside the loss
 mask) unless `--dataset` names a flashdraft dataset: throughput depends on lengths, not ids.
 """
@@ -214,9 +214,9 @@ def main() -> None:
                     help="as runtime.host_threads: 0 = torch's thread count, N >= 1 = torch.set_num_threads(N) "
                          "during the steps (unset: the config's auto, 1 on CUDA, torch's default on CPU)")  # fmt: skip
     ap.add_argument("--feature-pass", default="hf",
-                    help="as runtime.feature_pass, comma-separated to measure several in this process one after "
-                         "the other (same target, data, seeds; a fresh drafter each): hf, native or hf,native. "
-                         "--compile target compiles the native pass")  # fmt: skip
+                    help="comma-separated variants measured one after the other in this process (same target, "
+                         "data, seeds; a fresh drafter each): hf, native (runtime.feature_pass) and native-compiled "
+                         "(native with runtime.compile's target part)")  # fmt: skip
     ap.add_argument("--json", default=None, help="write the results here (a list of them for several passes)")
     ap.add_argument("--profile", type=int, default=0,
                     help="profile this many optimizer steps after the timed ones: print the top kernels / ops")  # fmt: skip
@@ -226,8 +226,10 @@ def main() -> None:
     if args.tiny:
         args.max_length, args.token_budget = min(args.max_length, 256), min(args.token_budget, 512)
         args.doc_length, args.max_anchors = min(args.doc_length, 96), min(args.max_anchors, 32)
-    passes = [p.strip() for p in args.feature_pass.split(",") if p.strip()]
-    cfgs = [config_for(args, device, p) for p in passes]
+    variants = [v.strip() for v in args.feature_pass.split(",") if v.strip()]
+    if not variants or not set(variants) <= {"hf", "native", "native-compiled"}:
+        ap.error(f"--feature-pass {args.feature_pass!r}: comma-separated hf, native, native-compiled")
+    cfgs = [config_for(args, device, v) for v in variants]
     prec = resolve_precision(cfgs[0], device)
     target_device = resolve_target_device(args.target_device, device)
     t_load = time.perf_counter()
@@ -255,19 +257,21 @@ def main() -> None:
         )
         lengths = [len(d.input_ids) for d in docs]
     results = []
-    for cfg in cfgs:
-        result = measure(args, cfg, target, target_device, docs, lengths)
+    for variant, cfg in zip(variants, cfgs, strict=True):
+        result = {"variant": variant, **measure(args, cfg, target, target_device, docs, lengths)}
         result["target_load_s"] = load_s
         results.append(result)
         w = max(len(k) for k in result)
-        print(f"== runtime.feature_pass={cfg.runtime.feature_pass}")
+        print(
+            f"== {variant}: runtime.feature_pass={cfg.runtime.feature_pass} runtime.compile={cfg.runtime.compile}"
+        )
         for k, v in result.items():
             shown = f"{v:,.4g}" if isinstance(v, float) and math.isfinite(v) else v
             print(f"{k:<{w}}  {shown}")
     if len(results) > 1:
         base = results[0]
         for r in results[1:]:
-            print(f"{r['feature_pass']} / {base['feature_pass']}: target pass time "
+            print(f"{r['variant']} / {base['variant']}: target pass time "
                   f"{r['target_s'] / base['target_s']:.3f}x, target tokens/s {r['target_tokens_per_s'] / base['target_tokens_per_s']:.3f}x, "
                   f"first-step loss {r['loss_first_step']:.4f} vs {base['loss_first_step']:.4f}")  # fmt: skip
     if args.json:
@@ -279,11 +283,16 @@ def main() -> None:
         print(f"wrote {out}")
 
 
-def config_for(args: argparse.Namespace, device: torch.device, feature_pass: str) -> TrainConfig:
-    """The benchmark's TrainConfig for one feature pass (runtime.compile's "target" part applies to native only)."""
-    compile_ = args.compile
-    if feature_pass != "native":
-        compile_ = ",".join(p for p in args.compile.split(",") if p.strip() != "target") or "none"
+def config_for(args: argparse.Namespace, device: torch.device, variant: str) -> TrainConfig:
+    """The benchmark's TrainConfig for one --feature-pass variant: runtime.compile is --compile, with the "target"
+    part added for native-compiled and dropped for hf (it compiles the native pass only)."""
+    feature_pass = "hf" if variant == "hf" else "native"
+    parts = [p.strip() for p in args.compile.split(",") if p.strip() not in ("", "none")]
+    if variant == "hf":
+        parts = [p for p in parts if p != "target"]
+    elif variant == "native-compiled" and "target" not in parts:
+        parts.append("target")
+    compile_ = ",".join(parts) or "none"
     return load_config(
         TrainConfig, None,
         [f"model.num_layers={2 if args.tiny else args.layers}", f"model.block_size={args.block_size}",

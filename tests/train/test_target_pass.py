@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import functools
+import importlib.util
+import json
 import math
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -195,3 +199,62 @@ def test_native_pass_on_cuda_matches_transformers_in_bf16():
             err = (got - ref)[real.cuda()].abs().max().item()
             assert err <= 0.05 * ref[real.cuda()].abs().max().item()
     torch._dynamo.reset()
+
+
+# ----------------------------------------------------------------------------- benchmarks/train_throughput.py
+
+
+def _throughput_script(monkeypatch):  # noqa: ANN001, ANN202
+    """benchmarks/train_throughput.py as a module, imported as `python benchmarks/train_throughput.py` runs it."""
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "train_throughput.py"
+    monkeypatch.syspath_prepend(str(path.parent))
+    spec = importlib.util.spec_from_file_location("_train_throughput", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_throughput_variants_set_the_feature_pass_and_the_target_compile(tmp_path, monkeypatch, capsys):
+    script = _throughput_script(monkeypatch)
+    seen = []
+
+    def fake_measure(args, cfg, *_):  # noqa: ANN001, ANN202
+        seen.append((cfg.runtime.feature_pass, cfg.runtime.compile_parts))
+        cfg.validate()
+        return {"target_s": 1.0 + len(seen), "target_tokens_per_s": 1.0, "loss_first_step": 0.5}
+
+    monkeypatch.setattr(script, "measure", fake_measure)
+    out = tmp_path / "r.json"
+    argv = ["x", "--device", "cpu", "--tiny", "--compile", "attention,loss,target", "--json", str(out),
+            "--feature-pass", "hf,native,native-compiled"]  # fmt: skip
+    monkeypatch.setattr("sys.argv", argv)
+    script.main()
+    assert seen == [
+        ("hf", {"attention", "loss"}),  # target compile is the native pass's: dropped
+        ("native", {"attention", "loss", "target"}),
+        ("native", {"attention", "loss", "target"}),
+    ]
+    assert [r["variant"] for r in json.loads(out.read_text())] == ["hf", "native", "native-compiled"]
+    assert "native / hf: target pass time 1.500x" in capsys.readouterr().out
+    seen.clear()
+    monkeypatch.setattr("sys.argv", ["x", "--device", "cpu", "--tiny", "--feature-pass", "native-compiled"])
+    script.main()
+    assert seen == [("native", {"attention", "loss", "target"})]
+
+
+def test_throughput_runs_both_passes_on_cpu_with_the_same_losses(tmp_path, monkeypatch):
+    """The tiny CPU smoke run of the real steps, both passes in one process: same first-step loss (float32)."""
+    script = _throughput_script(monkeypatch)
+    out = tmp_path / "r.json"
+    argv = ["x", "--device", "cpu", "--tiny", "--steps", "1", "--warmup-steps", "0", "--json", str(out),
+            "--feature-pass", "hf,native"]  # fmt: skip
+    monkeypatch.setattr("sys.argv", argv)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        script.main()
+    hf, native = json.loads(out.read_text())
+    assert (hf["feature_pass"], native["feature_pass"]) == ("hf", "native")
+    assert native["loss_first_step"] == pytest.approx(hf["loss_first_step"], rel=1e-5)
+    assert native["target_tokens_per_s"] > 0
