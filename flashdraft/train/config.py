@@ -116,7 +116,8 @@ class RuntimeConfig:
     # FlexAttention kernel; the drafter eager, any batch shape), "loss" (the lm_head + cross-entropy
     # chunk, padded to a fixed chunk shape), "model" (the whole drafter, FlexAttention included: needs
     # data.blocks_per_row > 0 so it compiles once), "target" (the native feature pass's whole forward, every
-    # micro-batch padded to [token_budget // max_length rows, max_length]: needs runtime.feature_pass=native); or "none"
+    # micro-batch padded to [token_budget // max_length rows, max_length]: one graph; needs runtime.feature_pass=native);
+    # or "none"
     compile: str = "attention,loss"
     # stop (with a checkpoint) after this many minutes; the LR schedule still follows max_steps /
     # epochs, so `--resume` continues it (fixed device budgets, preemptible slots)
@@ -130,8 +131,8 @@ class RuntimeConfig:
     # (any target); "native" = the target's own layers without it (flashdraft/train/target_pass.py: FlexAttention
     # document mask on CUDA, no layer after the deepest feature; Llama / Qwen2 / Qwen3 / Mistral, others refused at
     # start-up). Same features (float64 tests). hf until a GPU run measures native faster
-    # (benchmarks/train_throughput.py --feature-pass hf,native). A runtime field, not a model one: the pass does not
-    # change the training problem, so config_hash (and resuming) ignores it
+    # (benchmarks/train_throughput.py --feature-pass hf,native,native-compiled). A runtime field, not a model one: the
+    # pass does not change the training problem, so config_hash (and resuming) ignores it
     feature_pass: str = "hf"
     # the FlexAttention BlockMask's (Q, KV) tile; torch's default 128 × 128 is partial at the edges of every
     # run of 16-token blocks (flashdraft/train/blocks.py). Powers of two in 16..128; kernel tiles follow. Compiled,
