@@ -5,6 +5,7 @@
     python benchmarks/train_throughput.py --device cpu --tiny --steps 3    # a CPU smoke run of the same code path
     python benchmarks/train_throughput.py --queue-depth 4                  # online pipeline: target in a producer thread
     python benchmarks/train_throughput.py --queue-depth 4 --device cuda:1 --target-device cuda:0
+    python benchmarks/train_throughput.py --feature-pass hf,native,native-compiled   # feature passes, one process
 
 Each measured step runs the trainer's own code (`InProcessSource` → `Trainer.optimizer_step`),
 with a device sync around the target pass and around the drafter step so the split is exact
@@ -29,6 +30,10 @@ runs it; then "target_s" is the time the trainer waited for features (consumer w
 the consumer wait fraction, mean queue depth and producer time per batch are reported.
 Only the trainer's stream is synchronised around the drafter step, so the producer keeps
 running underneath it.
+`--feature-pass hf,native,native-compiled` runs the steps once per variant — runtime.feature_pass=hf
+(transformers' forward), =native (the packed pass of `flashdraft.train.target_pass`), and native with
+runtime.compile's "target" part (its whole forward compiled) — over the same target, documents and seeds, a
+fresh drafter each, and prints each variant's target pass time and target tokens/s against the first's.
 Documents are synthetic (random ids, the first `--prompt-frac` of each outside the loss
 mask) unless `--dataset` names a flashdraft dataset: throughput depends on lengths, not ids.
 """
@@ -208,7 +213,11 @@ def main() -> None:
     ap.add_argument("--host-threads", type=int, default=None,
                     help="as runtime.host_threads: 0 = torch's thread count, N >= 1 = torch.set_num_threads(N) "
                          "during the steps (unset: the config's auto, 1 on CUDA, torch's default on CPU)")  # fmt: skip
-    ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--feature-pass", default="hf",
+                    help="comma-separated variants measured one after the other in this process (same target, "
+                         "data, seeds; a fresh drafter each): hf, native (runtime.feature_pass) and native-compiled "
+                         "(native with runtime.compile's target part)")  # fmt: skip
+    ap.add_argument("--json", default=None, help="write the results here (a list of them for several passes)")
     ap.add_argument("--profile", type=int, default=0,
                     help="profile this many optimizer steps after the timed ones: print the top kernels / ops")  # fmt: skip
     args = ap.parse_args()
@@ -217,19 +226,11 @@ def main() -> None:
     if args.tiny:
         args.max_length, args.token_budget = min(args.max_length, 256), min(args.token_budget, 512)
         args.doc_length, args.max_anchors = min(args.doc_length, 96), min(args.max_anchors, 32)
-    cfg = load_config(
-        TrainConfig, None,
-        [f"model.num_layers={2 if args.tiny else args.layers}", f"model.block_size={args.block_size}",
-         f"data.max_length={args.max_length}", f"data.token_budget={args.token_budget}",
-         f"data.max_anchors={args.max_anchors}", f"optim.grad_accum={args.grad_accum}",
-         f"data.blocks_per_row={args.blocks_per_row}",
-         f"optim.max_steps={args.steps + args.warmup_steps}", f"runtime.device={device}",
-         f"runtime.compile={args.compile}", "data.dataset=<benchmark>", "telemetry.progress=false",
-         f"runtime.compile_mode={args.compile_mode}", f"loss.fused_ce={str(args.fused_ce).lower()}",
-         f"loss.chunk_tokens={args.chunk_tokens}", f"runtime.flex_block_size=[{args.flex_block}]",
-         *([f"runtime.host_threads={args.host_threads}"] if args.host_threads is not None else [])],
-    )  # fmt: skip
-    prec = resolve_precision(cfg, device)
+    variants = [v.strip() for v in args.feature_pass.split(",") if v.strip()]
+    if not variants or not set(variants) <= {"hf", "native", "native-compiled"}:
+        ap.error(f"--feature-pass {args.feature_pass!r}: comma-separated hf, native, native-compiled")
+    cfgs = [config_for(args, device, v) for v in variants]
+    prec = resolve_precision(cfgs[0], device)
     target_device = resolve_target_device(args.target_device, device)
     t_load = time.perf_counter()
     if args.tiny or args.target in SHAPES:
@@ -239,7 +240,6 @@ def main() -> None:
 
         target = load_target(args.target, dtype=prec.target, device=target_device)
     load_s = time.perf_counter() - t_load
-    drafter = build_drafter(cfg, target, device, prec.params)
     if args.dataset:
         from flashdraft.data.dataset import open_dataset
 
@@ -256,9 +256,76 @@ def main() -> None:
             n_docs, args.doc_length, args.max_length, target.vocab_size, args.prompt_frac, 0
         )
         lengths = [len(d.input_ids) for d in docs]
+    results = []
+    for variant, cfg in zip(variants, cfgs, strict=True):
+        result = {"variant": variant, **measure(args, cfg, target, target_device, docs, lengths)}
+        result["target_load_s"] = load_s
+        results.append(result)
+        w = max(len(k) for k in result)
+        print(
+            f"== {variant}: runtime.feature_pass={cfg.runtime.feature_pass} runtime.compile={cfg.runtime.compile}"
+        )
+        for k, v in result.items():
+            shown = f"{v:,.4g}" if isinstance(v, float) and math.isfinite(v) else v
+            print(f"{k:<{w}}  {shown}")
+    if len(results) > 1:
+        base = results[0]
+        for r in results[1:]:
+            print(f"{r['variant']} / {base['variant']}: target pass time "
+                  f"{r['target_s'] / base['target_s']:.3f}x, target tokens/s {r['target_tokens_per_s'] / base['target_tokens_per_s']:.3f}x, "
+                  f"first-step loss {r['loss_first_step']:.4f} vs {base['loss_first_step']:.4f}")  # fmt: skip
+    if args.json:
+        out = Path(args.json)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(out.suffix + ".tmp")
+        tmp.write_text(json.dumps(results[0] if len(results) == 1 else results, indent=2) + "\n")
+        tmp.replace(out)
+        print(f"wrote {out}")
+
+
+def config_for(args: argparse.Namespace, device: torch.device, variant: str) -> TrainConfig:
+    """The benchmark's TrainConfig for one --feature-pass variant: runtime.compile is --compile, with the "target"
+    part added for native-compiled and dropped for hf (it compiles the native pass only)."""
+    feature_pass = "hf" if variant == "hf" else "native"
+    parts = [p.strip() for p in args.compile.split(",") if p.strip() not in ("", "none")]
+    if variant == "hf":
+        parts = [p for p in parts if p != "target"]
+    elif variant == "native-compiled" and "target" not in parts:
+        parts.append("target")
+    compile_ = ",".join(parts) or "none"
+    return load_config(
+        TrainConfig, None,
+        [f"model.num_layers={2 if args.tiny else args.layers}", f"model.block_size={args.block_size}",
+         f"data.max_length={args.max_length}", f"data.token_budget={args.token_budget}",
+         f"data.max_anchors={args.max_anchors}", f"optim.grad_accum={args.grad_accum}",
+         f"data.blocks_per_row={args.blocks_per_row}",
+         f"optim.max_steps={args.steps + args.warmup_steps}", f"runtime.device={device}",
+         f"runtime.compile={compile_}", "data.dataset=<benchmark>", "telemetry.progress=false",
+         f"runtime.feature_pass={feature_pass}",
+         f"runtime.compile_mode={args.compile_mode}", f"loss.fused_ce={str(args.fused_ce).lower()}",
+         f"loss.chunk_tokens={args.chunk_tokens}", f"runtime.flex_block_size=[{args.flex_block}]",
+         *([f"runtime.host_threads={args.host_threads}"] if args.host_threads is not None else [])],
+    )  # fmt: skip
+
+
+def measure(
+    args: argparse.Namespace,
+    cfg: TrainConfig,
+    target: Any,
+    target_device: torch.device,
+    docs: Any,
+    lengths: list[int],
+) -> dict[str, Any]:
+    """Warm-up and timed optimizer steps with one feature pass and a fresh drafter (seeded: every pass starts
+    from the same weights); returns the result dict."""
+    device = torch.device(cfg.runtime.device)
+    prec = resolve_precision(cfg, device)
+    drafter = build_drafter(cfg, target, device, prec.params)
+    compile_target = "target" in cfg.runtime.compile_parts and target_device.type == "cuda"
     source = InProcessSource(
         docs, target, drafter.target_layer_ids, max_length=args.max_length, token_budget=args.token_budget,
         epochs=None, seed=0, pad_multiple=cfg.data.pad_multiple, lengths=lengths,
+        feature_pass=cfg.runtime.feature_pass, compile_target=compile_target,
     )  # fmt: skip
     queued = args.queue_depth > 0
     if queued:
@@ -329,6 +396,7 @@ def main() -> None:
     result = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "target": target.name,
+        "feature_pass": cfg.runtime.feature_pass,
         "drafter_layers": hcfg.num_hidden_layers,
         "drafter_params": params,
         "block_size": hcfg.block_size,
@@ -336,7 +404,7 @@ def main() -> None:
         "token_budget": args.token_budget,
         "max_anchors": args.max_anchors,
         "grad_accum": args.grad_accum,
-        "compile": args.compile if device.type == "cuda" else "none",
+        "compile": cfg.runtime.compile if device.type == "cuda" else "none",
         "compile_mode": cfg.runtime.compile_mode,
         "fused_ce": cfg.loss.fused_ce,
         "chunk_tokens": cfg.loss.chunk_tokens,
@@ -345,7 +413,6 @@ def main() -> None:
         "attention": attention,
         "precision": {"target": str(prec.target), "params": str(prec.params), "compute": str(prec.compute)},
         "steps": args.steps,
-        "target_load_s": load_s,
         "target_tokens_per_s": tot["tokens"] / step_s,
         "drafter_only_target_tokens_per_s": tot["tokens"] / tot["drafter_s"],
         "block_tokens_per_s": tot["block_tokens"] / step_s,
@@ -388,17 +455,7 @@ def main() -> None:
         result["consumer_wait_fraction"] = tot["target_s"] / step_s  # trainer time spent waiting for features
         result["mean_queue_depth"] = stats["pipeline/queue_depth"]  # batches ready when the trainer asked
         result["producer_s_per_batch"] = stats["pipeline/producer_s_per_batch"]
-    w = max(len(k) for k in result)
-    for k, v in result.items():
-        shown = f"{v:,.4g}" if isinstance(v, float) and math.isfinite(v) else v
-        print(f"{k:<{w}}  {shown}")
-    if args.json:
-        out = Path(args.json)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_suffix(out.suffix + ".tmp")
-        tmp.write_text(json.dumps(result, indent=2) + "\n")
-        tmp.replace(out)
-        print(f"wrote {out}")
+    return result
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ itself.
     plan = plan_micro_batches([len(s.input_ids) for s in samples], max_length=3072, token_budget=16384)
     rows = pack_rows([samples[i] for i in plan[0].flat()], ...)       # or pack_plan(samples, plan[0])
     batch = compute_features(target, rows, layer_ids=[1, 8, 14, 20, 27])
+    batch = compute_features(target, rows, [1, 8, 14, 20, 27], PackedTargetPass(target))   # runtime.feature_pass=native
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import numpy as np
 import torch
 
 from flashdraft.cache import attention_mask_for
+from flashdraft.train.target_pass import PackedTargetPass, document_causal_mask
 
 
 class Sample(Protocol):
@@ -177,36 +179,36 @@ def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     return t.to(device)
 
 
-def document_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
-    """[R, S] doc ids → bool [R, 1, S, S]: causal within a document, nothing across documents.
-
-    Padding (-1) attends causally to padding only, so no query row is fully masked (a fully
-    masked row gives NaN in sdpa); padding features are never used.
-    """
-    s = doc_ids.shape[1]
-    same = doc_ids[:, :, None] == doc_ids[:, None, :]  # [R, S, S]
-    causal = torch.ones(s, s, dtype=torch.bool, device=doc_ids.device).tril()
-    return (same & causal)[:, None]  # [R, 1, S, S]
-
-
 @torch.no_grad()
-def compute_features(target, rows: TokenBatch, layer_ids: list[int]) -> FeatureBatch:  # type: ignore[no-untyped-def]
-    """One target pass over packed rows → raw selected-layer features [R, S, k·H] (no logits)."""
+def compute_features(
+    target,  # type: ignore[no-untyped-def]
+    rows: TokenBatch,
+    layer_ids: list[int],
+    native: PackedTargetPass | None = None,
+) -> FeatureBatch:
+    """One target pass over packed rows → raw selected-layer features [R, S, k·H] (no logits): transformers'
+    forward with a dense [R, 1, S, S] document mask, or `native` (runtime.feature_pass=native) over the same
+    layers and weights."""
     device = target.device
-    # the [R, 1, S, S] mask is built on the device from the doc ids: only [R, S] tensors cross
+    # only [R, S] tensors cross; masks are built on the device from the doc ids
+    input_ids, position_ids = to_device(rows.input_ids, device), to_device(rows.position_ids, device)
     doc_ids = to_device(rows.doc_ids, device)
-    mask = attention_mask_for(document_causal_mask(doc_ids), target.attn_implementation, target.dtype)
-    out = target.forward(
-        to_device(rows.input_ids, device),
-        layer_ids=list(layer_ids),
-        position_ids=to_device(rows.position_ids, device),
-        attention_mask=mask,
-        logits="none",
-    )
-    assert out.features is not None
+    if native is not None:
+        features = native(input_ids, position_ids, doc_ids, list(layer_ids))
+    else:
+        mask = attention_mask_for(document_causal_mask(doc_ids), target.attn_implementation, target.dtype)
+        out = target.forward(
+            input_ids,
+            layer_ids=list(layer_ids),
+            position_ids=position_ids,
+            attention_mask=mask,
+            logits="none",
+        )
+        assert out.features is not None
+        features = out.features
     return FeatureBatch(
         input_ids=rows.input_ids,
-        features=out.features,  # [R, S, k·H]
+        features=features,  # [R, S, k·H]
         loss_mask=rows.loss_mask,
         position_ids=rows.position_ids,
         doc_ids=rows.doc_ids,

@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 
 from flashdraft.config import ConfigError, Removed
 
-COMPILE_PARTS = {"attention", "loss", "model"}
+COMPILE_PARTS = {"attention", "loss", "model", "target"}
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")  # the devices the trainer runs on (runtime.device)
 
 
@@ -115,7 +115,9 @@ class RuntimeConfig:
     # what runs through torch.compile on CUDA (ignored on CPU), comma-separated: "attention" (the
     # FlexAttention kernel; the drafter eager, any batch shape), "loss" (the lm_head + cross-entropy
     # chunk, padded to a fixed chunk shape), "model" (the whole drafter, FlexAttention included: needs
-    # data.blocks_per_row > 0 so it compiles once); or "none"
+    # data.blocks_per_row > 0 so it compiles once), "target" (the native feature pass's whole forward, every
+    # micro-batch padded to [token_budget // max_length rows, max_length]: one graph; needs runtime.feature_pass=native);
+    # or "none"
     compile: str = "attention,loss"
     # stop (with a checkpoint) after this many minutes; the LR schedule still follows max_steps /
     # epochs, so `--resume` continues it (fixed device budgets, preemptible slots)
@@ -125,6 +127,13 @@ class RuntimeConfig:
     # instead of being cut off by the limit (one budget, machines of different speeds)
     fit_steps_to_time_limit: bool = False
     attention: str = "auto"  # auto: flex on CUDA, dense bool mask on CPU; or "flex" / "dense"
+    # how the online target computes features: "hf" = transformers' forward with a dense [R, 1, S, S] document mask
+    # (any target); "native" = the target's own layers without it (flashdraft/train/target_pass.py: FlexAttention
+    # document mask on CUDA, no layer after the deepest feature; Llama / Qwen2 / Qwen3 / Mistral, others refused at
+    # start-up). Same features (float64 tests). hf until a GPU run measures native faster
+    # (benchmarks/train_throughput.py --feature-pass hf,native,native-compiled). A runtime field, not a model one: the
+    # pass does not change the training problem, so config_hash (and resuming) ignores it
+    feature_pass: str = "hf"
     # the FlexAttention BlockMask's (Q, KV) tile; torch's default 128 × 128 is partial at the edges of every
     # run of 16-token blocks (flashdraft/train/blocks.py). Powers of two in 16..128; kernel tiles follow. Compiled,
     # tiles below 128 need runtime.compile=model with compile_mode max-autotune-no-cudagraphs: under the default
@@ -303,7 +312,9 @@ class TrainConfig:
         if self.runtime.time_limit_min is not None and self.runtime.time_limit_min <= 0:
             raise ConfigError(f"runtime.time_limit_min {self.runtime.time_limit_min} must be > 0 (or unset)")
         if self.loss.softmax_vocab < 0:
-            raise ConfigError(f"loss.softmax_vocab {self.loss.softmax_vocab} must be >= 0 (0: the whole vocabulary)")
+            raise ConfigError(
+                f"loss.softmax_vocab {self.loss.softmax_vocab} must be >= 0 (0: the whole vocabulary)"
+            )
         if self.runtime.fit_steps_to_time_limit and self.runtime.time_limit_min is None:
             raise ConfigError("runtime.fit_steps_to_time_limit needs runtime.time_limit_min")
         fb = self.runtime.flex_block_size
@@ -332,6 +343,13 @@ class TrainConfig:
             raise ConfigError(
                 f"runtime.host_threads {self.runtime.host_threads} must be >= 0 (or unset: 1 on CUDA): "
                 "0 keeps torch's thread count, N >= 1 sets it"
+            )
+        if self.runtime.feature_pass not in ("hf", "native"):
+            raise ConfigError(f"runtime.feature_pass {self.runtime.feature_pass!r}: use hf or native")
+        if "target" in parts and self.runtime.feature_pass != "native":
+            raise ConfigError(
+                "runtime.compile=target compiles the native feature pass: set runtime.feature_pass=native "
+                "or drop target from runtime.compile"
             )
         if self.runtime.attention not in ("auto", "flex", "dense"):
             raise ConfigError(f"runtime.attention {self.runtime.attention!r}: use auto, flex or dense")

@@ -375,7 +375,15 @@ def build_source(
 
         inner = OfflineSource(samples, FeatureStore(p.features_dir), layer_ids, **kw)
     else:
-        inner = InProcessSource(samples, target, layer_ids, **kw)
+        compile_target = "target" in cfg.runtime.compile_parts and torch.device(target.device).type == "cuda"
+        inner = InProcessSource(
+            samples,
+            target,
+            layer_ids,
+            feature_pass=cfg.runtime.feature_pass,
+            compile_target=compile_target,
+            **kw,
+        )
     return QueuedSource(
         inner, depth=p.queue_depth, device=device, starve_threshold=p.starve_threshold,
         starve_window=p.starve_window,

@@ -25,6 +25,7 @@ from flashdraft.train.batch import (
     pack_rows,
     plan_micro_batches,
 )
+from flashdraft.train.target_pass import PackedTargetPass
 
 
 @runtime_checkable
@@ -66,6 +67,8 @@ class InProcessSource:
         lengths: Sequence[int] | None = None,  # known lengths (datasets store them): no need to read samples
         rank: int = 0,
         world_size: int = 1,
+        feature_pass: str = "hf",  # runtime.feature_pass: hf (transformers) or native (flashdraft.train.target_pass)
+        compile_target: bool = False,  # native only: the pass compiled, micro-batches padded to one static shape
     ) -> None:
         self.samples = samples
         self.target = target
@@ -82,6 +85,13 @@ class InProcessSource:
         self._epoch = 0
         self._position = 0  # index of the next micro-batch (in this rank's share) within the epoch
         self._plan_cache: tuple[int, list[MicroBatchPlan], np.ndarray] | None = None
+        if feature_pass not in ("hf", "native"):
+            raise ValueError(f"runtime.feature_pass {feature_pass!r}: use hf or native")
+        self.native: PackedTargetPass | None = None
+        if feature_pass == "native" and target is not None:
+            # the largest micro-batch plan_micro_batches makes, rows padded as pack_rows pads them
+            shape = (max(1, token_budget // max_length), -(-max_length // pad_multiple) * pad_multiple)
+            self.native = PackedTargetPass(target, compile_shape=shape if compile_target else None)
 
     @property
     def epoch(self) -> int:
@@ -126,4 +136,4 @@ class InProcessSource:
         (An offline source overrides this to read the features from disk.)"""
         docs = [[self.samples[i] for i in row] for row in rows]
         tokens = pack_rows(docs, self.max_length, self.pad_multiple)
-        return compute_features(self.target, tokens, self.layer_ids)
+        return compute_features(self.target, tokens, self.layer_ids, self.native)
