@@ -68,6 +68,7 @@ def test_dry_run_commands_parse_with_the_cli(capsys: pytest.CaptureFixture[str])
     train = _parse(cmd["train"])
     cfg = load_config(TrainConfig, train["config"], train["overrides"])
     cfg.validate()
+    assert cfg.runtime.feature_pass == "native" and "target" in cfg.runtime.compile_parts
     assert cfg.model.init_from == "models/smollm2-135m-instruct-dflash-b16" and cfg.data.dataset == "/w/data"
     assert cfg.runtime.time_limit_min == 2.5 and cfg.runtime.fit_steps_to_time_limit  # 1 min start-up
     assert cfg.eval.every == 1000 and cfg.eval.dataset == f"humaneval:{HE}"
