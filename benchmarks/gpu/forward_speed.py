@@ -256,6 +256,31 @@ def table(results: dict[str, Any], budget: int, block: int) -> list[str]:
     return lines
 
 
+def measure_variant(
+    v: str, target: TargetModel, drafter: DFlashDrafter, prompts: list[list[int]], max_len: int,
+    args: argparse.Namespace, row: dict[str, Any], results: dict[str, Any],
+) -> FastEngine:  # fmt: skip
+    """One engine (`v`: eager or compiled target): setup (compilation + capture), phase costs, rounds."""
+    t0 = time.perf_counter()
+    eng = FastEngine(target, drafter, max_len=max_len, max_budget=args.budget, compile_target=v == "compiled")
+    results["capacity"] = eng.capacity
+    for method, b in [("ar", None), ("chain", None), ("ddtree", args.budget)]:
+        t1 = time.perf_counter()
+        eng.warmup([(method, b)])  # graphs: the compiled variant compiles its shapes in their warm-up
+        eng.generate(prompts[0], max_new_tokens=4, method=method, budget=b)  # no graphs: here
+        sync(args.device)
+        log(f"{v}: {method} phases ready in {time.perf_counter() - t1:.1f} s")
+    row["setup_s"] = time.perf_counter() - t0
+    row["phases"] = phase_costs(eng, prompts[0], args.budget, args.reps)
+    log(
+        f"{v}: {json.dumps({k: round(x, 4) if isinstance(x, float) else x for k, x in row['phases'].items()})}"
+    )
+    save(results, args.out)
+    row["rounds"] = rounds(eng, prompts, args.budget, args.max_new_tokens, args.device)
+    save(results, args.out)
+    return eng
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("target", help="a target folder / GGUF, or random-smollm2 / random-tiny (random weights)")
@@ -305,27 +330,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     engines: dict[str, FastEngine] = {}
     for v in variants:
-        t0 = time.perf_counter()
-        eng = FastEngine(
-            target, drafter, max_len=max_len, max_budget=args.budget, compile_target=v == "compiled"
-        )
-        results["capacity"] = eng.capacity
-        for method, b in [("ar", None), ("chain", None), ("ddtree", args.budget)]:
-            t1 = time.perf_counter()
-            eng.warmup([(method, b)])  # graphs: the compiled variant compiles its shapes in their warm-up
-            eng.generate(prompts[0], max_new_tokens=4, method=method, budget=b)  # no graphs: here
-            sync(args.device)
-            log(f"{v}: {method} phases ready in {time.perf_counter() - t1:.1f} s")
         row = results["variants"].setdefault(v, {})
-        row["setup_s"] = time.perf_counter() - t0
-        row["phases"] = phase_costs(eng, prompts[0], args.budget, args.reps)
-        log(
-            f"{v}: {json.dumps({k: round(x, 4) if isinstance(x, float) else x for k, x in row['phases'].items()})}"
-        )
-        save(results, args.out)
-        row["rounds"] = rounds(eng, prompts, args.budget, args.max_new_tokens, args.device)
-        save(results, args.out)
-        engines[v] = eng
+        try:
+            engines[v] = measure_variant(v, target, drafter, prompts, max_len, args, row, results)
+        except Exception as e:  # a variant that fails (a compile error on this stack, say) is a result too
+            row["error"] = f"{type(e).__name__}: {e}"[:800]
+            log(f"{v}: FAILED {row['error']}")
+            save(results, args.out)
     if len(engines) == 2:
         eager, comp = engines["eager"], engines["compiled"]
         ar_e, ar_c = (
@@ -345,6 +356,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for line in table(results, args.budget, drafter.block_size):
         log(line)
     for v, row in results["variants"].items():
+        if "phases" not in row:
+            continue
         ph = row["phases"]
         results.setdefault("goals", {})[v] = goals = {
             "ar_step_le_1.5ms": ph["ar_step_ms"] <= 1.5,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from flashdraft.decode.engine import FastEngine
 from flashdraft.decode.generate import generate as reference_generate
@@ -48,3 +49,20 @@ def test_engine_compiled_target_equals_ar():
             deep += sum(a > 2 for a in compiled_res.acceptance_lengths) if method != "ar" else 0
     assert deep > 0
     assert engines[True].native._compiled is not None and engines[False].native._compiled is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_compiled_target_inside_cuda_graphs_on_gpu():
+    """On CUDA the compiled forward is compiled in each phase's warm-up and captured in its graph: float32, the
+    same tokens as the eager-forward graphs (random tiny targets have no near-ties at this precision)."""
+    target = tiny_target("llama", layers=4, dtype=torch.float32)
+    target.model.cuda()
+    drafter = tiny_drafter(target, layers=1, block_size=BLOCK).cuda()
+    eager = FastEngine(target, drafter, max_len=96, max_budget=32)
+    compiled = FastEngine(target, drafter, max_len=96, max_budget=32, compile_target=True)
+    for method, budget in [("ar", None), ("chain", None), ("ddtree", 8), ("ddtree", 32)]:
+        a = compiled.generate([5, 9, 11], max_new_tokens=40, method=method, budget=budget)
+        b = eager.generate([5, 9, 11], max_new_tokens=40, method=method, budget=budget)
+        _same(a, b, (method, budget))
+    assert all(ph.graph is not None for ph in compiled._phases.values())
