@@ -189,9 +189,8 @@ def logit_agreement(eager: FastEngine, comp: FastEngine, texts: list[list[int]])
             e.native.forward(x[:p0], pos, pos, kv[None] <= pos[:, None])
         for s in range(p0, len(ids) - q + 1, q):
             pos = torch.arange(s, s + q, device=eager.device)
-            rows = (
-                pos.clone()
-            )  # one tensor passed twice would compile a shape of its own (dynamo's alias guard)
+            # one tensor passed twice would compile a shape of its own (dynamo's alias guard)
+            rows = pos.clone()
             allowed = kv[None] <= pos[:, None]
             ids_q = x[s : s + q].clone()  # not a view at an offset: inductor would copy a misaligned input
             a = eager.native.forward(ids_q, pos, rows, allowed, layer_ids=eager.layer_ids).logits
