@@ -250,3 +250,42 @@ def test_stage_uses_the_repository_helpers(tmp_path: Path) -> None:
         cwd=REPO, capture_output=True, text=True,
     )  # fmt: skip
     assert out.returncode == 1 and "checksum mismatch" in out.stderr and not (tmp_path / "j").exists()
+
+
+def _load_script(path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    monkeypatch.syspath_prepend(str(path.parent))
+    spec = importlib.util.spec_from_file_location(f"_script_{path.stem}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+def test_forward_speed_smoke_on_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """benchmarks/gpu/forward_speed.py --device cpu on a 2-layer random target: both engines, every stage, the
+    JSON; the compiled target (inductor's CPU backend, 2 shapes: ~1-2 minutes on 2 cores) agrees with eager."""
+    bench = _load_script(REPO / "benchmarks" / "gpu" / "forward_speed.py", monkeypatch)
+    import random_targets  # benchmarks/, on the path the script put it
+
+    monkeypatch.setitem(random_targets.SHAPES["random-tiny"], "num_hidden_layers", 2)
+    out = tmp_path / "forward_speed.json"
+    argv = ["random-tiny", "--device", "cpu", "--block", "4", "--drafter-layers", "1", "--budget", "3",
+            "--prompts", "2", "--max-new-tokens", "10", "--reps", "2", "--out", str(out)]  # fmt: skip
+    res = bench.main(argv)
+    assert json.loads(out.read_text())["variants"].keys() == {"eager", "compiled"}
+    for v in ("eager", "compiled"):
+        ph = res["variants"][v]["phases"]
+        assert all(
+            ph[k] > 0
+            for k in ("ar_step_ms", "verify_chain_q4_ms", "tree_b3_ms", "verify_tree_q4_ms", "draft_ms")
+        )
+        assert set(res["variants"][v]["rounds"]) == {"ar", "chain", "ddtree-3"}
+        assert res["variants"][v]["rounds"]["chain"]["round_ms"]["verify"] > 0
+    cmp = res["compiled_vs_eager"]
+    assert cmp["ar_identical_sequences"] == cmp["of"] == 2
+    tf = cmp["teacher_forced"]
+    assert tf["positions"] > 0 and tf["argmax_agree_frac"] == 1.0 and tf["max_abs_dlogit"] < 1e-3
+    with pytest.raises(SystemExit, match="--overwrite"):  # never replaces a file it did not write
+        bench.main(argv)

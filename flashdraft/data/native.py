@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from flashdraft.data.loop import Generation, GenerationParams, choose_next, cut_at_stop, pad_rows
 from flashdraft.decode.native import (
+    COMPILE_RECOMPILE_LIMIT,
     HeadFP32,
     additive_mask,
     attention_geometry,
@@ -44,7 +45,7 @@ class BatchedNativeTarget:
         logits = net.step(next_ids, lengths, span)                        # [rows, V]
     """
 
-    def __init__(self, target: TargetModel, rows: int, capacity: int) -> None:
+    def __init__(self, target: TargetModel, rows: int, capacity: int, *, compile: bool = False) -> None:
         why = native_support_error(target)
         if why is not None:
             raise ValueError(f"native target forward: {why}")
@@ -63,6 +64,10 @@ class BatchedNativeTarget:
         self._len = torch.zeros(rows, dtype=torch.long, device=target.device)
         self._graphs: dict[int, tuple[Any, torch.Tensor]] = {}
         self._pool: Any = None  # one memory pool shared by every span's graph, made at the first capture
+        # `step` through torch.compile (fullgraph, static shapes: one compilation per span bucket), captured in
+        # the span's graph like the eager one; off by default until measured on a GPU
+        self.compiled = compile
+        self._step = compile_step(self) if compile else self.step
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.head(rms_norm(self.inner.norm, h))  # [n, V], float32 at least
@@ -74,9 +79,10 @@ class BatchedNativeTarget:
         the extra columns inert). Eager, a step is ~1,400 small kernels whose host-side dispatch cost
         ~100 ms on the H200 machine whatever the batch (benchmarks/RESULTS.md); a replay launches them
         at once. The returned logits live in the graph's static output: read them before the next call."""
-        if input_ids.device.type != "cuda":
-            return self.step(input_ids, lengths, span)
-        span = min(self.capacity, -(-span // bucket) * bucket)
+        bucketed = min(self.capacity, -(-span // bucket) * bucket)
+        if input_ids.device.type != "cuda":  # compiled: one compilation per bucket, not per span
+            return self._step(input_ids, lengths, bucketed if self.compiled else span)
+        span = bucketed
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         self._ids.copy_(input_ids)
@@ -88,11 +94,11 @@ class BatchedNativeTarget:
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 for _ in range(2):
-                    self.step(self._ids, self._len, span)
+                    self._step(self._ids, self._len, span)
             torch.cuda.current_stream().wait_stream(side)
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=self._pool):
-                out = self.step(self._ids, self._len, span)
+                out = self._step(self._ids, self._len, span)
             self._graphs[span] = (g, out)
         g, out = self._graphs[span]
         g.replay()
@@ -126,6 +132,27 @@ class BatchedNativeTarget:
         last = h[torch.arange(n, device=h.device), lengths - 1]  # [n, H] the last real token of each row
         return self._logits(last)
 
+    def _write_kv(
+        self, layer: int, ar: torch.Tensor, lengths: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        """k, v [rows, kv, hd] into column `lengths[r]` of each row r of `layer`. Under torch.compile one
+        index_put_ on the cache itself (writes into a view of it compile to a copy of the whole cache:
+        `NativeTarget._write_kv`); eager, the two indexed writes it has always made."""
+        if torch.compiler.is_compiling():
+            dev = lengths.device
+            index = (
+                torch.full((1, 1, 1), layer, dtype=torch.long, device=dev),
+                torch.arange(2, device=dev)[:, None, None],  # k, v
+                ar[None, :, None],
+                torch.arange(self.n_kv, device=dev)[None, None, :],
+                lengths[None, :, None],
+            )  # broadcast to [2, rows, kv]
+            self.cache.index_put_(index, torch.stack([k, v]))  # [2, rows, kv, hd]
+        else:
+            kc, vc = self.cache[layer, 0], self.cache[layer, 1]  # [rows, kv, S, hd] views
+            kc[ar, :, lengths] = k  # advanced indices around a slice: [rows, kv, hd]
+            vc[ar, :, lengths] = v
+
     @torch.no_grad()
     def step(self, input_ids: torch.Tensor, lengths: torch.Tensor, span: int) -> torch.Tensor:
         """One token for every row: input_ids [rows] go to column / position `lengths` [rows];
@@ -144,9 +171,8 @@ class BatchedNativeTarget:
             q, k, v = target_qkv(
                 layer, h, self.n_heads, self.n_kv, self.head_dim, cos, sin
             )  # [rows, heads|kv, 1, hd]
+            self._write_kv(i, ar, lengths, k[:, :, 0], v[:, :, 0])
             kc, vc = self.cache[i, 0], self.cache[i, 1]  # [rows, kv, S, hd] views
-            kc[ar, :, lengths] = k[:, :, 0]  # advanced indices around a slice: [rows, kv, hd]
-            vc[ar, :, lengths] = v[:, :, 0]
             # the rep query heads of one kv head ride in the query-length slot: [rows, kv, rep, hd] over
             # [rows, kv, span, hd] keeps SDPA on a fused kernel without copying the cache per head
             o = F.scaled_dot_product_attention(
@@ -163,14 +189,15 @@ def native_generate(
     target: TargetModel, prompts: list[list[int]], params: GenerationParams, seed: int, *, rows: int = 256,
     max_batch_tokens: int | None = None, sync_every: int = 8, prefill_tokens: int = 65536, on_batch: Any = None,
     follow_up: Callable[[int, Generation], list[int] | None] | None = None, priority: list[int] | None = None,
-    max_prompt_len: int | None = None,
+    max_prompt_len: int | None = None, compile_step: bool = False,
 ) -> list[Generation]:  # fmt: skip
     """Continuous batching over a static cache (`BatchedNativeTarget`): `rows` sequences decode together;
     every `sync_every` steps the host reads which rows finished (the only host sync), collects them
     and refills their rows with the next prompts (highest `priority`, then longest, first). Finished
     rows idle until then. `follow_up(i, generation)` may return a new prompt when prompt i is done
     (a conversation's next turn): it goes to the front of the queue and its generation is appended
-    to the result; `max_prompt_len` must then bound every prompt (it sizes the cache).
+    to the result; `max_prompt_len` must then bound every prompt (it sizes the cache). `compile_step`: the
+    decode step through torch.compile (`BatchedNativeTarget(compile=True)`).
     Greedy output equals `loop_generate`'s; sampled output depends only on the prompts and the seed."""
     dev, n_new = target.device, params.max_new_tokens
     prompts = list(prompts)  # follow-ups are appended
@@ -182,7 +209,7 @@ def native_generate(
         rows = min(rows, max(1, max_batch_tokens // capacity))
     rows = max(1, min(rows, len(prompts)))
     refill_at = max(1, rows // 8)  # free rows that trigger a refill (while prompts are waiting)
-    net = BatchedNativeTarget(target, rows, capacity)
+    net = BatchedNativeTarget(target, rows, capacity, compile=compile_step)
     stop = torch.tensor(params.stop_ids or [-1], device=dev)
     gen = torch.Generator(device=dev).manual_seed(seed) if params.temperature > 0 else None
     ar = torch.arange(rows, device=dev)
@@ -245,6 +272,18 @@ def native_generate(
                 on_batch(finished)
             span = int(lengths.max()) + 1
     return out  # type: ignore[return-value]
+
+
+def compile_step(net: BatchedNativeTarget) -> Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]:
+    """`net.step` through torch.compile (fullgraph, static shapes, inductor's default mode: no CUDA graphs of its
+    own, `step_graphed` captures it), as `flashdraft.decode.native.compile_native_target` does for the engine."""
+    compiled = torch.compile(net.step, fullgraph=True, dynamic=False)
+
+    def step(input_ids: torch.Tensor, lengths: torch.Tensor, span: int) -> torch.Tensor:
+        with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=COMPILE_RECOMPILE_LIMIT):
+            return compiled(input_ids, lengths, span)
+
+    return step
 
 
 def _prefill_chunks(

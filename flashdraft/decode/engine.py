@@ -15,7 +15,8 @@ A round is a fixed sequence of phases over static buffers, each captured once as
             `flashdraft.tree.build_tree`), write tokens / positions / mask in place
             (`write_tree_inputs`; through torch.compile where the phases are CUDA graphs: `compile_tree`)
     verify  the native target forward at q = B (chain), budget+1 (tree) or 1 (AR), then the
-            target's token choice (`choose_tokens`, the reference's function)
+            target's token choice (`choose_tokens`, the reference's function); through torch.compile
+            with `compile_target=True` (`NativeTarget.compiled_forward`: fused norms, RoPE, SwiGLU)
     commit  acceptance, the path's K/V gathered into place, state advanced — all on the device
 
 The only host read per round is `out.tolist()` (accepted length + committed tokens), in
@@ -303,6 +304,7 @@ class FastEngine:
         max_budget: int = 512,
         cuda_graphs: bool | None = None,
         compile_tree: bool | None = None,
+        compile_target: bool = False,
     ) -> None:
         why = native_support_error(target)
         if why is not None:
@@ -320,6 +322,11 @@ class FastEngine:
         # faster per replay (budget 8: 0.300 -> 0.108 ms, 512: 1.076 -> 0.795), the same trees bit for bit,
         # DDTree-32 1.60x -> 1.72x over engine AR; the price is 6-23 s of compilation per budget, once, at warm-up
         self.compile_tree = self.cuda_graphs if compile_tree is None else compile_tree
+        # the target's forward in the round phases (AR step, chain and tree verify) through torch.compile
+        # (`NativeTarget.compiled_forward`), compiled in the phase's warm-up and captured in its CUDA graph;
+        # the prefill stays eager (variable length). Off until benchmarks/gpu/forward_speed.py has measured
+        # it on a GPU; on CPU it runs too (inductor's C++ backend), tens of seconds of compilation per shape
+        self.compile_target = compile_target
         self.block = drafter.block_size if drafter is not None else 1
         self.max_budget = max_budget
         self.max_q = max(self.block, max_budget + 1 if drafter is not None else 1)
@@ -426,7 +433,8 @@ class FastEngine:
     def _verify(self, q: int, params: SamplingParams, features: bool = True) -> None:
         b = self._qbuf(q)
         layer_ids = self.layer_ids if features and self.layer_ids else None
-        out = self.native.forward(b["tokens"], b["positions"], b["rows"], b["allowed"], layer_ids=layer_ids)
+        forward = self.native.compiled_forward if self.compile_target else self.native.forward
+        out = forward(b["tokens"], b["positions"], b["rows"], b["allowed"], layer_ids=layer_ids)
         assert out.logits is not None
         b["choice"].copy_(choose_tokens(out.logits, params, self.generator if not params.greedy else None))
         if out.features is not None:

@@ -10,6 +10,7 @@ is copied, so a checkpoint loaded once serves the reference decoder and this eng
     native = NativeTarget(target, capacity=2048 + 64)
     out = native.forward(ids, positions, write_rows, allowed, layer_ids=[1, 8, 14, 20, 27])
     out.logits, out.features                      # [q, V], [q, k·H]
+    out = native.compiled_forward(ids, positions, write_rows, allowed)   # the same through torch.compile
     dstep = NativeDrafter(drafter, target, capacity=2048 + 64)
     logits = dstep.forward(ctx_feats, ctx_pos, block_ids, block_pos, allowed)   # [B, V]
 
@@ -20,6 +21,7 @@ regeneration engine's batched forward (flashdraft/data/native.py) shares the pub
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -181,6 +183,7 @@ class NativeTarget:
         self.cache = torch.zeros(
             len(self.layers), 2, self.n_kv, capacity, self.head_dim, dtype=target.dtype, device=target.device
         )
+        self._compiled: Callable[..., tuple[torch.Tensor | None, torch.Tensor | None]] | None = None
 
     @torch.no_grad()
     def forward(
@@ -193,25 +196,77 @@ class NativeTarget:
         layer_ids: list[int] | None = None,
         logits: bool = True,
     ) -> NativeOutput:
+        return NativeOutput(
+            *self._run(input_ids, positions, write_rows, allowed, tuple(layer_ids or ()), logits)
+        )
+
+    def compiled_forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        write_rows: torch.Tensor,
+        allowed: torch.Tensor,
+        *,
+        layer_ids: list[int] | None = None,
+        logits: bool = True,
+    ) -> NativeOutput:
+        """`forward` through torch.compile (`compile_native_target`): the same arguments and results, one
+        compilation per shape (q) and per (layer_ids, logits). For fixed-shape callers (the engine's
+        phases): a variable-length prefill through it would compile once per prompt length."""
+        if self._compiled is None:
+            self._compiled = compile_native_target(self)
+        with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=COMPILE_RECOMPILE_LIMIT):
+            out = self._compiled(input_ids, positions, write_rows, allowed, tuple(layer_ids or ()), logits)
+        return NativeOutput(*out)
+
+    def _write_kv(self, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v [kv, q, hd] into cache rows `rows` [q] of `layer`.
+
+        Under torch.compile an index_copy_ into a view of the cache (`cache[i, 0]`) is functionalized into a
+        copy of the whole cache, written back at the end of every forward (seen in inductor's output code,
+        CPU, torch 2.13); one index_put_ on the cache itself stays an in-place scatter. Eager keeps the two
+        index_copy_ kernels it has always run (the same values either way)."""
+        if torch.compiler.is_compiling():
+            n_kv = self.n_kv
+            index = (
+                torch.full((1, 1, 1), layer, dtype=torch.long, device=rows.device),
+                torch.arange(2, device=rows.device)[:, None, None],  # k, v
+                torch.arange(n_kv, device=rows.device)[None, :, None],
+                rows[None, None],
+            )  # broadcast to [2, kv, q]
+            self.cache.index_put_(index, torch.stack([k, v]))  # [2, kv, q, hd]
+        else:
+            self.cache[layer, 0].index_copy_(1, rows, k)  # cache[layer, 0]: [kv, S, hd]
+            self.cache[layer, 1].index_copy_(1, rows, v)
+
+    def _run(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        write_rows: torch.Tensor,
+        allowed: torch.Tensor,
+        layer_ids: tuple[int, ...],
+        logits: bool,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """`forward`'s body, (logits [q, V] | None, features [q, k·H] | None): a plain tuple, which
+        torch.compile returns as it is."""
         h = self.inner.embed_tokens(input_ids[None])  # [1, q, H]
         cos, sin = self.inner.rotary_emb(h, positions[None])  # [1, q, hd] each, computed as HF does
         cos, sin = rope_tables(cos[:, None], sin[:, None])  # [1, 1, q, hd]
         mask = additive_mask(allowed, h.dtype)  # [q, capacity], once for every layer
         q_len = input_ids.shape[0]
-        wanted = set(layer_ids or [])
         captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             q, k, v = target_qkv(
                 layer, h, self.n_heads, self.n_kv, self.head_dim, cos, sin
             )  # [1, heads|kv, q, hd]
-            self.cache[i, 0].index_copy_(1, write_rows, k[0])  # cache[i, 0]: [kv, S, hd]
-            self.cache[i, 1].index_copy_(1, write_rows, v[0])
+            self._write_kv(i, write_rows, k[0], v[0])
             o = _attend(q, self.cache[i, 0][None], self.cache[i, 1][None], mask, attn.scaling)
             o = o.transpose(1, 2).reshape(1, q_len, self.n_heads * self.head_dim)  # [1, q, heads·hd]
             h = h + attn.o_proj(o)
             h = h + layer.mlp(rms_norm(layer.post_attention_layernorm, h))
-            if i in wanted:
+            if i in layer_ids:
                 captured[i] = h
         feats = None
         if layer_ids:
@@ -222,7 +277,29 @@ class NativeTarget:
         out_logits = (
             self.head(rms_norm(self.inner.norm, h))[0] if logits else None
         )  # [q, V], float32 at least
-        return NativeOutput(out_logits, feats)
+        return out_logits, feats
+
+
+# one compiled code object (`NativeTarget._run`) serves every shape, flag set and NativeTarget instance of a
+# process, and dynamo counts its compilations together: an engine with AR, the chain and 7 DDTree budgets
+# alone has 9 shapes, one past the default recompile_limit (8), a hard error under fullgraph
+COMPILE_RECOMPILE_LIMIT = 256
+
+
+def compile_native_target(
+    native: NativeTarget,
+) -> Callable[..., tuple[torch.Tensor | None, torch.Tensor | None]]:
+    """`native._run` through torch.compile (fullgraph, static shapes, inductor's default mode) — applied from
+    outside the model code, which stays plain eager PyTorch.
+
+    Inductor fuses what eager runs as separate kernels: each RMSNorm with the residual add before it, RoPE of
+    q and k, SiLU · up, the mask conversion; the matmuls and SDPA stay library calls, and the cache writes
+    stay in place (index_copy_ on the static cache). No CUDA graphs of its own (mode "default"): the engine
+    captures the compiled code inside its own graphs, so the compilation must run before a capture —
+    `_Phase`'s warm-up calls make it. Under a CUDA graph, the replay runs the fused kernels without Python.
+    Float32/float64 results differ from eager only by summation order; bf16 ones also by the intermediate
+    roundings inductor skips inside a fused kernel (benchmarks/gpu/forward_speed.py reports both)."""
+    return torch.compile(native._run, fullgraph=True, dynamic=False)
 
 
 class NativeDrafter:
