@@ -3,8 +3,8 @@ distinct training tokens, from a JSONL of stints (one benchmarks/gpu/campaign_st
 
     python benchmarks/plot_learning_curve.py benchmarks/results/campaign/stints.jsonl --out curve.png --table
 
-A row needs "stint", "train_minutes" (this stint's; the plot adds them up in stint order), "cumulative":
-{"loss_tokens"} and "eval": {SET: {"chain_tau", "ddtree_tau"}} (the stint's own eval on the GPU) and/or
+A row needs "stint", "train_minutes" and "new": {"loss_tokens"} (this stint's training minutes and the train
+loss tokens it regenerated; the plot adds both up in stint order) and "eval": {SET: {"chain_tau", "ddtree_tau"}} (the stint's own eval on the GPU) and/or
 "yardstick": {FILE_STEM: {"new": {"chain_tau", "ddtree_tau"}}} (benchmarks/campaign_ingest.py's eval on a frozen
 yardstick file); a row with neither plots its trainer validation ("val": {"val/chain_tau", "val/ddtree_tau"}) as
 the set "val". A starting point (the drafter the campaign began from) is a row like any other, with its own
@@ -24,7 +24,9 @@ from typing import Any
 class CurvePoint:
     stint: int
     train_minutes: float  # cumulative, up to and including this stint
-    loss_tokens: int  # distinct training (loss) tokens of the data trained on so far
+    loss_tokens: (
+        int  # train loss tokens regenerated so far (every stint's new data, up to and including this one)
+    )
     tau: dict[str, tuple[float, float | None]]  # set -> (chain τ, best DDTree τ)
 
 
@@ -41,9 +43,10 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
 
 def curve(rows: list[dict[str, Any]]) -> list[CurvePoint]:
     """Rows in stint order, training minutes accumulated, τ per eval set (or the trainer's validation)."""
-    out, minutes = [], 0.0
+    out, minutes, tokens = [], 0.0, 0
     for r in sorted(rows, key=lambda r: r["stint"]):
         minutes += float(r.get("train_minutes") or 0.0)
+        tokens += int((r.get("new") or {}).get("loss_tokens") or 0)
         tau = {k: (float(v["chain_tau"]), v.get("ddtree_tau")) for k, v in (r.get("eval") or {}).items()}
         for k, v in (r.get("yardstick") or {}).items():  # the stint's drafter on a frozen yardstick file
             tau[k] = (float(v["new"]["chain_tau"]), v["new"].get("ddtree_tau"))
@@ -54,7 +57,7 @@ def curve(rows: list[dict[str, Any]]) -> list[CurvePoint]:
             CurvePoint(
                 int(r["stint"]),
                 round(minutes, 3),
-                int((r.get("cumulative") or {}).get("loss_tokens") or 0),
+                tokens,
                 tau,
             )
         )
@@ -64,7 +67,7 @@ def curve(rows: list[dict[str, Any]]) -> list[CurvePoint]:
 def table(points: list[CurvePoint]) -> str:
     """The results page's table: one row per stint, chain / best DDTree τ per set."""
     sets = sorted({s for p in points for s in p.tau})
-    head = "| stint | GPU training min (cumulative) | distinct loss tokens | " + " | ".join(
+    head = "| stint | GPU training min (cumulative) | loss tokens regenerated (cumulative) | " + " | ".join(
         f"{s} chain / DDTree τ" for s in sets) + " |"  # fmt: skip
     lines = [head, "|" + "---:|" * (3 + len(sets))]
     for p in points:
@@ -87,7 +90,7 @@ def plot(points: list[CurvePoint], out: str | Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
     sets = sorted({s for p in points for s in p.tau})
     for ax, xkey, xlabel in ((axes[0], "train_minutes", "cumulative GPU training minutes"),
-                             (axes[1], "loss_tokens", "distinct training (loss) tokens, millions")):  # fmt: skip
+                             (axes[1], "loss_tokens", "training (loss) tokens regenerated so far, millions")):  # fmt: skip
         for k, s in enumerate(sets):
             pts = [p for p in points if s in p.tau]
             xs = [getattr(p, xkey) / (1e6 if xkey == "loss_tokens" else 1) for p in pts]

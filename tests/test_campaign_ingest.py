@@ -358,6 +358,14 @@ def test_learning_curve_plots_the_yardstick_tau() -> None:
     assert p.tau == {"humaneval": (3.0, 5.0), "sharegpt-heldout-100": (4.1, 6.2)}
 
 
+def test_learning_curve_adds_up_minutes_and_regenerated_tokens_in_stint_order() -> None:
+    plc = ci.plot_module()
+    rows = [{"stint": 1, "train_minutes": 7.5, "new": {"loss_tokens": 7}, "cumulative": {"loss_tokens": 7}},
+            {"stint": 0, "train_minutes": 36.0, "new": {"loss_tokens": 35}}]  # fmt: skip
+    points = plc.curve(rows)
+    assert [(p.stint, p.train_minutes, p.loss_tokens) for p in points] == [(0, 36.0, 35), (1, 43.5, 42)]
+
+
 def test_sha256_of_the_weights_names_the_shipped_drafter(tmp_path: Path) -> None:
     f = tmp_path / "w"
     f.write_bytes(b"x" * 3_000_000)
@@ -442,3 +450,24 @@ def test_the_real_yardstick_eval_pairs_the_stint_with_the_shipped_drafter(call: 
     )
     assert y["new"]["chain_tau"] == report["drafters"]["stint-2/drafter"]["methods"]["chain"]["tau"]
     assert report["dtype"] == "float32" and report["device"] == "cpu"
+
+
+def test_start_row_sums_the_manifests_and_takes_the_shipped_side(tmp_path: Path) -> None:
+    spec = importlib.util.spec_from_file_location(
+        "campaign_start_row", REPO / "benchmarks/campaign_start_row.py"
+    )
+    sr = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(sr)  # type: ignore[union-attr]
+    mans = []
+    for k, (n, t) in enumerate([(10, 1000), (5, 300)]):
+        mans.append(tmp_path / f"m{k}.json")
+        mans[-1].write_text(json.dumps({"counts": {"train": n}, "tokens": {"train": {"loss": t}}}))
+    stints = tmp_path / "stints.jsonl"
+    line = {"stint": 1, "yardstick": {"he": {"new": {"chain_tau": 3.1}, "shipped": {"chain_tau": 3.0}}}}
+    stints.write_text(json.dumps({"stint": 0, "old": True}) + "\n" + json.dumps(line) + "\n")
+    argv = ["--stints", str(stints), "--train-minutes", "5", "6.5", "--card", "H200", "--date", "2026-12-03"]
+    sr.main(argv + [a for m in mans for a in ("--manifest", str(m))])
+    rows = [json.loads(x) for x in stints.read_text().splitlines()]
+    assert [r["stint"] for r in rows] == [0, 1] and rows[1] == line
+    assert rows[0]["train_minutes"] == 11.5 and rows[0]["new"] == {"samples": 15, "loss_tokens": 1300}
+    assert rows[0]["yardstick"]["he"]["new"] == {"chain_tau": 3.0}
