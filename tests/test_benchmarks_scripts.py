@@ -236,7 +236,8 @@ def test_stage_uses_the_repository_helpers(tmp_path: Path) -> None:
     n = len(list(parts.glob("*.part*")))
     assert n > 1
     (stage / "PARTS").write_text(f"{n}\n")
-    calls = run_script(tmp_path, "stage.sh")
+    # an empty make_stage.py folder: a checkout's own .stage/ (ignored by git) must not leak into the test
+    calls = run_script(tmp_path, "stage.sh", STAGE_FROM=str(tmp_path / "no-stage"))
     assert (stage / src.name).read_bytes() == data
     gguf, work = stage / src.name, tmp_path / "gpu" / "work"
     assert calls == [["benchmarks/gpu/save_target.py", str(gguf), str(work / "smollm2-bf16"), "bfloat16"]]

@@ -7,7 +7,7 @@
 #   TESTS="tests/train/test_gpu.py" bash benchmarks/gpu/stage.sh     # also runs those GPU tests → $OUT/gpu_tests.log
 set -uo pipefail
 source benchmarks/gpu/env.sh
-cp .stage/*/* "$STAGE"/ 2>/dev/null
+cp "${STAGE_FROM:-.stage}"/*/* "$STAGE"/ 2>/dev/null   # STAGE_FROM: make_stage.py's folder (default .stage)
 ls "$STAGE"/gguf-*.whl >/dev/null 2>&1 && [ ! -d "$WORK/site/gguf" ] && \
   python3 -m pip install -q --no-index --no-deps --no-compile --target "$WORK/site" "$STAGE"/gguf-*.whl
 have=$(ls "$STAGE"/*.gguf.part* 2>/dev/null | wc -l); want=$(cat "$STAGE/PARTS" 2>/dev/null || echo "?")
