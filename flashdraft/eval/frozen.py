@@ -1,6 +1,6 @@
 """The frozen reference file: one JSON line per greedy reference, with the target and settings that made it.
 
-    head, records = read_frozen_records("benchmarks/yardstick/humaneval-partial-58of164.jsonl")
+    head, records = read_frozen_records("benchmarks/yardstick/humaneval-164.jsonl")
 
 Written by `flashdraft.eval.references.write_frozen` (benchmarks/yardstick/make_references.py, and the
 trainer's RUN/val_references.jsonl); read here as plain records so that the references (eval/references.py:
