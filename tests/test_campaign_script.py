@@ -219,11 +219,11 @@ def test_learning_curve_accumulates_minutes_and_plots(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     rows = [
-        {"stint": 2, "train_minutes": 25.0, "cumulative": {"loss_tokens": 21_000_000},
+        {"stint": 2, "train_minutes": 25.0, "new": {"loss_tokens": 4_000_000},
          "eval": {"humaneval": {"chain_tau": 3.4, "ddtree_tau": 5.6}, "sharegpt": {"chain_tau": 3.1, "ddtree_tau": None}}},
-        {"stint": 0, "train_minutes": 36.0, "cumulative": {"loss_tokens": 13_070_000},
+        {"stint": 0, "train_minutes": 36.0, "new": {"loss_tokens": 13_070_000},
          "eval": {"humaneval": {"chain_tau": 3.0, "ddtree_tau": 5.0}}},
-        {"stint": 1, "train_minutes": 20.0, "cumulative": {"loss_tokens": 17_000_000},
+        {"stint": 1, "train_minutes": 20.0, "new": {"loss_tokens": 3_930_000},
          "val": {"val/chain_tau": 3.2, "val/ddtree_tau": 5.3}},
     ]  # fmt: skip
     f = tmp_path / "stints.jsonl"
