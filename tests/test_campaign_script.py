@@ -265,3 +265,12 @@ def test_defaults_follow_env_sh_folders(monkeypatch: pytest.MonkeyPatch) -> None
         cs.gpu_dir("work") == Path("/g/work")
         and cs.parse_args(["--stint", "2"]).humaneval == "/g/stage/HumanEval.jsonl.gz"
     )
+
+
+def test_temperature_and_turns_override_the_stint_plan(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--stint", "2", "--temperature", "0", "--max-turns", "3", "--work", "/w", "--dry-run"]
+    assert cs.main(argv) == 0
+    cmd = json.loads(capsys.readouterr().out)
+    regen = _parse(cmd["regen"])
+    assert (regen["temperature"], regen["max_turns"], regen["seed"]) == (0.0, 3, cs.plan_for(2).seed)
+    assert cmd["plan"] == {"temperature": 0.0, "seed": cs.plan_for(2).seed, "max_turns": 3}

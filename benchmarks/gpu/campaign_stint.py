@@ -81,6 +81,13 @@ def plan_for(stint: int) -> StintPlan:
     return StintPlan(TEMPERATURES[stint % len(TEMPERATURES)], SEED_BASE + stint, 1 + stint % 3)
 
 
+def stint_plan(a: argparse.Namespace) -> StintPlan:
+    """`plan_for(--stint)`, with --temperature / --max-turns when given (e.g. greedy later turns: T 0, 3 turns)."""
+    p = plan_for(a.stint)
+    t = p.temperature if a.temperature is None else a.temperature
+    return StintPlan(t, p.seed, p.max_turns if a.max_turns is None else a.max_turns)
+
+
 def check_training_input(spec: str) -> str:
     """`spec` unchanged when the campaign may train on it; else a StintError saying why."""
     name = spec.partition(":")[0] if ":" in spec else spec
@@ -197,7 +204,7 @@ class Stint:
         self.work = Path(a.work or gpu_dir("work") / f"stint-{a.stint}")
         self.out = Path(a.out or os.environ.get("OUT", "out"))
         self.state_path = self.work / "state.json"
-        self.state: dict[str, Any] = {"stint": a.stint, "plan": asdict(plan_for(a.stint)), "minutes": {},
+        self.state: dict[str, Any] = {"stint": a.stint, "plan": asdict(stint_plan(a)), "minutes": {},
                                       "done": [], "train_runs": [], "calls": 0}  # fmt: skip
         if self.state_path.is_file():
             self.state = json.loads(self.state_path.read_text())
@@ -236,7 +243,7 @@ class Stint:
         new = self.work / "new"
         if "regen" in self.state["done"]:
             return
-        rc = self.run("regen", regen_args(self.a, plan_for(self.a.stint), new, minutes), minutes + 2.5)
+        rc = self.run("regen", regen_args(self.a, stint_plan(self.a), new, minutes), minutes + 2.5)
         if rc != 0 or not (new / "manifest.json").is_file():
             raise StintError(f"regeneration failed (exit {rc}): see stint.log")
         self.state["done"].append("regen")
@@ -409,6 +416,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="HumanEval for contamination",
     )
     p.add_argument("--max-new-tokens", type=int, default=512, help="regeneration cap per answer")
+    p.add_argument(
+        "--temperature", type=float, default=None, help="instead of the stint's (0: greedy answers)"
+    )
+    p.add_argument("--max-turns", type=int, default=None, help="instead of the stint's: user turns answered")
     p.add_argument("--val-every", type=int, default=1000, help="trainer validation interval (eval.every)")
     p.add_argument(
         "--val-references", default=None, help="the trainer's validation references (a frozen reference file)"
@@ -434,10 +445,10 @@ def commands(a: argparse.Namespace, budget: Budget) -> dict[str, Any]:
     """Every command line the stint would run this call (the dry run's output; tests parse them with the CLI)."""
     work = Path(a.work or gpu_dir("work") / f"stint-{a.stint}")
     data = Path(a.data) if a.data else work / "data"
-    out: dict[str, Any] = {"plan": asdict(plan_for(a.stint)), "budget": asdict(budget)}
+    out: dict[str, Any] = {"plan": asdict(stint_plan(a)), "budget": asdict(budget)}
     phases = a.phases.split(",")
     if "regen" in phases and not a.data:
-        out["regen"] = regen_args(a, plan_for(a.stint), work / "new", budget.regen)
+        out["regen"] = regen_args(a, stint_plan(a), work / "new", budget.regen)
     if "merge" in phases and not a.data and a.prev_data:
         out["merge"] = merge_args(a, Path(a.prev_data), work / "new", data)
     if "train" in phases:
