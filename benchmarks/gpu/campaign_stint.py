@@ -123,7 +123,7 @@ class Budget:
 def regen_args(a: argparse.Namespace, plan: StintPlan, out: Path, minutes: float) -> list[str]:
     args = [
         "data", "regenerate", "--target", a.target, "--out", str(out), "--device", "cuda", "--dtype", "bfloat16",
-        "--engine", "native", "--batch-size", "512", "--max-batch-tokens", "2500000",
+        "--engine", "native", "--batch-size", "512", "--max-batch-tokens", str(a.max_batch_tokens),
         "--max-new-tokens", str(a.max_new_tokens), "--shard-size", "4096", "--max-turns", str(plan.max_turns),
         "--temperature", str(plan.temperature), "--seed", str(plan.seed), "--time-limit", str(minutes),
         "--contamination", f"humaneval:{a.humaneval}",
@@ -420,6 +420,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--temperature", type=float, default=None, help="instead of the stint's (0: greedy answers)"
     )
     p.add_argument("--max-turns", type=int, default=None, help="instead of the stint's: user turns answered")
+    p.add_argument(
+        "--max-batch-tokens", type=int, default=1_200_000,
+        help="regeneration's rows x (prompt + new tokens) per batch: its KV cache is ~23 KB a token, and a later "
+        "turn's batch is allocated while the last one's is still held (2.5M ran out of an H100's 80 GB at turn 3)",
+    )  # fmt: skip
     p.add_argument("--val-every", type=int, default=1000, help="trainer validation interval (eval.every)")
     p.add_argument(
         "--val-references", default=None, help="the trainer's validation references (a frozen reference file)"
