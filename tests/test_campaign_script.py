@@ -62,13 +62,14 @@ def test_dry_run_commands_parse_with_the_cli(capsys: pytest.CaptureFixture[str])
         plan.max_turns,
     )
     assert regen["time_limit"] == 3.0 and regen["device"] == "cuda" and regen["engine"] == "native"
+    assert regen["max_batch_tokens"] == 1_200_000  # two batch caches fit an 80 GB card
     merge = _parse(cmd["merge"])
     assert merge["inputs"] == ["/c/prev", "/w/new"] and merge["out"] == "/w/data"
     assert merge["contamination"] == [f"humaneval:{HE}"]
     train = _parse(cmd["train"])
     cfg = load_config(TrainConfig, train["config"], train["overrides"])
     cfg.validate()
-    assert cfg.runtime.feature_pass == "native" and "target" in cfg.runtime.compile_parts
+    assert cfg.runtime.feature_pass == "hf" and cfg.runtime.compile_parts == {"model", "loss"}
     assert cfg.model.init_from == "models/smollm2-135m-instruct-dflash-b16" and cfg.data.dataset == "/w/data"
     assert cfg.runtime.time_limit_min == 2.5 and cfg.runtime.fit_steps_to_time_limit  # 1 min start-up
     assert cfg.eval.every == 1000 and cfg.eval.dataset == f"humaneval:{HE}"
@@ -274,3 +275,11 @@ def test_temperature_and_turns_override_the_stint_plan(capsys: pytest.CaptureFix
     regen = _parse(cmd["regen"])
     assert (regen["temperature"], regen["max_turns"], regen["seed"]) == (0.0, 3, cs.plan_for(2).seed)
     assert cmd["plan"] == {"temperature": 0.0, "seed": cs.plan_for(2).seed, "max_turns": 3}
+
+
+def test_the_native_feature_pass_is_asked_for_and_compiled(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cs.main(["--stint", "4", "--work", "/w", "--feature-pass", "native", "--dry-run"]) == 0
+    train = _parse(json.loads(capsys.readouterr().out)["train"])
+    cfg = load_config(TrainConfig, train["config"], train["overrides"])
+    cfg.validate()
+    assert cfg.runtime.feature_pass == "native" and cfg.runtime.compile_parts == {"model", "loss", "target"}

@@ -151,16 +151,20 @@ def train_args(
 ) -> list[str]:
     """A fresh LR schedule from `init_from`, fitted to the phase's `minutes` less TRAIN_OVERHEAD_MIN (warm-up
     included); validated on `val_refs` (a val_references.jsonl) or on HumanEval references computed at start-up.
-    The target's feature pass is the native one, compiled: with the transformers pass the first stint's trainer
-    (H100, 2026-12-06) waited for features 58-68% of the time (producer 110-114K target tok/s, trainer 260-350K);
-    the native compiled pass took 0.43x its time (benchmarks/results/h100-2026-12-06-feature-pass)."""
+    The target's feature pass is --feature-pass: with transformers' (hf) the first stint's trainer (H100,
+    2026-12-06) waited for features 58-68% of the time (producer 110-114K target tok/s, trainer 260-350K); the
+    native pass, compiled, took 0.43x its time (benchmarks/results/h100-2026-12-06-feature-pass), but in the
+    second stint it stopped the trainer in its first steps (a compiled call in the producer thread while the
+    trainer compiled); it now runs in the trainer's thread (flashdraft.train.pipeline.inline_reason), which
+    tests/train/test_gpu.py checks on CUDA: run that test before a stint with --feature-pass native."""
     refs = val_refs or a.val_references
     val = [f"eval.references={refs}", "eval.dataset="] if refs else [f"eval.dataset=humaneval:{a.humaneval}"]
     return [
         "train", str(CONFIG), f"run_dir={run}", f"model.target={a.target}", f"data.dataset={data}",
         f"model.init_from={init_from}", "optim.max_steps=1000000", f"runtime.time_limit_min={round(max(0.5, minutes - TRAIN_OVERHEAD_MIN), 2)}",
         "runtime.fit_steps_to_time_limit=true", "checkpoint.every=200", "telemetry.progress=false",
-        "telemetry.peak_tflops=790", "runtime.compile=model,loss,target", "runtime.feature_pass=native",
+        "telemetry.peak_tflops=790", f"runtime.feature_pass={a.feature_pass}",
+        "runtime.compile=model,loss" + (",target" if a.feature_pass == "native" else ""),
         "data.blocks_per_row=1024",
         f"eval.every={a.val_every}", *val, *a.train_extra,
     ]  # fmt: skip
@@ -430,6 +434,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--val-references", default=None, help="the trainer's validation references (a frozen reference file)"
     )
     p.add_argument("--eval-set", action="append", default=None, help="NAME=SPEC@LIMIT (repeatable)")
+    p.add_argument(
+        "--feature-pass", choices=("hf", "native"), default="hf",
+        help="the target's training feature pass (native: compiled too; run tests/train/test_gpu.py first)",
+    )  # fmt: skip
     p.add_argument("--train-extra", nargs="*", default=[], help="more key=value training overrides")
     p.add_argument(
         "--bundle-mib", type=float, default=60.0, help="new data rides in the bundle below this size"

@@ -132,9 +132,10 @@ class RuntimeConfig:
     # document mask on CUDA, no layer after the deepest feature; Llama / Qwen2 / Qwen3 / Mistral, others refused at
     # start-up). Same features (float64 tests). On an H100 (2026-12-06, benchmarks/train_throughput.py --feature-pass
     # hf,native,native-compiled) the target pass took 50.6 ms (hf), 34.2 ms (native) and 21.6 ms (native with
-    # runtime.compile=...,target) per 16,384-token micro-batch; the campaign (benchmarks/gpu/campaign_stint.py) trains
-    # with native + target compiled. The default stays hf because it takes any target. A runtime field, not a model
-    # one: the pass does not change the training problem, so config_hash (and resuming) ignores it
+    # runtime.compile=...,target) per 16,384-token micro-batch. On CUDA the native pass runs in the trainer's thread
+    # (no producer thread: flashdraft.train.pipeline.inline_reason). The default stays hf because it takes any
+    # target. A runtime field, not a model one: the pass does not change the training problem, so config_hash (and
+    # resuming) ignores it
     feature_pass: str = "hf"
     # the FlexAttention BlockMask's (Q, KV) tile; torch's default 128 × 128 is partial at the edges of every
     # run of 16-token blocks (flashdraft/train/blocks.py). Powers of two in 16..128; kernel tiles follow. Compiled,

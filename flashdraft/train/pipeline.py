@@ -348,6 +348,23 @@ def resolve_target_device(spec: str, drafter_device: torch.device, local_rank: i
     return dev
 
 
+def inline_reason(feature_pass: str, target_device: torch.device | None) -> str | None:
+    """Why the online target pass must run in the trainer's own thread, or None when a producer thread is safe.
+
+    The native feature pass on CUDA calls torch.compile'd functions (create_block_mask, flex_attention, the whole
+    pass with runtime.compile=target), and so does the trainer (its compiled drafter, loss or FlexAttention).
+    Dynamo's "FX is tracing" flag is one per process, not per thread: a compiled call in one thread while the
+    other thread compiles raises "Detected that you are using FX to symbolically trace a dynamo-optimized
+    function" (it stopped a training run on an H100 on 2026-12-06, in the first steps). The transformers pass
+    (feature_pass=hf) calls nothing compiled, so its producer thread stays."""
+    if feature_pass == "native" and target_device is not None and target_device.type == "cuda":
+        return (
+            "runtime.feature_pass=native calls compiled functions, which dynamo does not allow in one thread "
+            "while another compiles"
+        )
+    return None
+
+
 def build_source(
     cfg: Any,  # TrainConfig
     samples: Any,
@@ -384,8 +401,18 @@ def build_source(
             compile_target=compile_target,
             **kw,
         )
+    depth = p.queue_depth
+    why = inline_reason(
+        cfg.runtime.feature_pass, None if p.mode == "offline" else torch.device(target.device)
+    )
+    if depth > 0 and why is not None:
+        print(
+            f"pipeline: the target runs in the trainer's thread (queue_depth 0, not {depth}): {why}",
+            file=sys.stderr,
+        )
+        depth = 0
     return QueuedSource(
-        inner, depth=p.queue_depth, device=device, starve_threshold=p.starve_threshold,
+        inner, depth=depth, device=device, starve_threshold=p.starve_threshold,
         starve_window=p.starve_window,
         source_device=torch.device("cpu") if p.mode == "offline" else torch.device(target.device),
     )  # fmt: skip

@@ -108,6 +108,37 @@ def test_whole_drafter_compile_with_static_shapes_compiles_once(tmp_path, monkey
     assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
 
 
+@pytest.mark.parametrize("compile_parts", ["model,loss", "model,loss,target"])
+def test_online_training_with_the_native_pass_and_a_compiled_drafter(tmp_path, monkeypatch, compile_parts):
+    """runtime.feature_pass=native with a compiled drafter at the default queue depth: the pass runs in the
+    trainer's thread (pipeline.inline_reason). With a producer thread this stopped in the first steps on an H100
+    (2026-12-06): a compiled call in one thread while the other compiles raises in dynamo."""
+    import torch._dynamo
+
+    from flashdraft.config import load_config
+    from flashdraft.train import loss as loss_mod
+    from flashdraft.train.config import TrainConfig
+    from flashdraft.train.launch import train
+    from flashdraft.train.metrics import read_metrics
+
+    monkeypatch.setattr(loss_mod, "_CHUNK_FN", loss_mod._ce_chunk)
+    monkeypatch.setattr(loss_mod, "_FUSED_CHUNK_FN", loss_mod._ce_chunk_fused)
+    torch._dynamo.reset()
+    t = tiny_target("llama", dtype=torch.bfloat16, hidden=64)
+    t.model.to("cuda")
+    docs = make_docs([150, 90, 200, 120, 60, 170, 110, 80, 140], seed=0)
+    cfg = load_config(TrainConfig, None, [
+        f"run_dir={tmp_path / 'run'}", "model.num_layers=2", "model.block_size=8", "data.max_length=320",
+        "data.token_budget=640", "data.max_anchors=32", "data.blocks_per_row=48", "data.dataset=<in-memory>",
+        "optim.max_steps=6", "optim.lr=3e-3", "runtime.device=cuda", f"runtime.compile={compile_parts}",
+        "runtime.feature_pass=native", "loss.chunk_tokens=256", "telemetry.log_every=1",
+        "telemetry.tensorboard=false", "telemetry.progress=false",
+    ])  # fmt: skip
+    result = train(cfg, target=t, samples=docs)
+    losses = [m["loss"] for m in read_metrics(tmp_path / "run")]
+    assert result.steps == 6 and all(math.isfinite(x) for x in losses)
+
+
 def test_compiled_fused_ce_matches_reference_in_bf16_on_cuda(monkeypatch):
     """loss.fused_ce compiled on CUDA (bf16 logits, Triton) against the eager log_softmax chunk: the same
     loss and input gradient to bf16 accuracy, and the same argmax accuracy counts."""

@@ -12,7 +12,7 @@ from flashdraft.config import load_config
 from flashdraft.train.config import TrainConfig
 from flashdraft.train.launch import train
 from flashdraft.train.metrics import read_metrics
-from flashdraft.train.pipeline import FrozenHeads, QueuedSource, _Pull, resolve_target_device
+from flashdraft.train.pipeline import FrozenHeads, QueuedSource, _Pull, inline_reason, resolve_target_device
 from flashdraft.train.source import InProcessSource
 from tests.conftest import tiny_target
 from tests.train.helpers import fake_features, make_docs, token_batch
@@ -202,3 +202,52 @@ def test_cuda_hand_off_equals_inline_batches(placement):
         assert fb.features.device == dst
         got.append((fb.features * 1).cpu())  # a kernel on the trainer's stream reads the hand-off
     assert len(got) == len(inline) and all(torch.equal(a, b) for a, b in zip(inline, got, strict=True))
+
+
+def test_a_compiled_call_while_another_thread_fx_traces_raises():
+    """The premise of `inline_reason`: dynamo's FX-tracing flag is per process. While one thread is inside
+    torch.fx symbolic tracing (as torch.compile's own tracing is), a compiled call in another thread raises."""
+    import threading
+
+    inside, release = threading.Event(), threading.Event()
+
+    class Waits(torch.nn.Module):
+        def forward(self, x):  # traced by torch.fx: holds the flag until released
+            inside.set()
+            release.wait(30)
+            return x + 1
+
+    tracer = threading.Thread(target=torch.fx.symbolic_trace, args=(Waits(),), daemon=True)
+    tracer.start()
+    assert inside.wait(30)
+    try:
+        compiled = torch.compile(lambda x: x * 2, backend="eager")
+        with pytest.raises(RuntimeError, match="FX to symbolically trace a dynamo-optimized function"):
+            compiled(torch.ones(2))
+    finally:
+        release.set()
+        tracer.join(30)
+    assert torch.equal(compiled(torch.ones(2)), torch.full((2,), 2.0))  # fine once the other thread is done
+
+
+def test_the_native_pass_on_cuda_runs_inline_and_the_others_keep_their_thread():
+    assert inline_reason("native", torch.device("cuda", 0)) is not None
+    assert inline_reason("native", torch.device("cpu")) is None  # dense SDPA: nothing compiled
+    assert inline_reason("hf", torch.device("cuda", 0)) is None  # transformers' forward: nothing compiled
+    assert inline_reason("native", None) is None  # offline: features read from disk
+
+
+def test_build_source_drops_the_thread_when_inline_reason_says_so(target, monkeypatch, capsys):
+    """A reason → queue depth 0 (inline, no producer thread), said on stderr; none → the configured depth. The
+    reason is faked here (the target is on the CPU): only build_source's use of it is checked."""
+    from flashdraft.train import pipeline
+
+    cfg = TrainConfig()
+    lengths = [len(d.input_ids) for d in DOCS]
+    for reason, depth in ((None, cfg.pipeline.queue_depth), ("a reason", 0)):
+        monkeypatch.setattr(pipeline, "inline_reason", lambda fp, dev, r=reason: r)
+        assert pipeline.build_source(cfg, DOCS, lengths, target, [1, 3], torch.device("cpu")).depth == depth
+    assert cfg.pipeline.queue_depth > 0
+    assert (
+        "the target runs in the trainer's thread (queue_depth 0, not 4): a reason" in capsys.readouterr().err
+    )
