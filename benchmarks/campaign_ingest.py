@@ -13,7 +13,8 @@ The steps, each a no-op when its inputs did not change (a progress line each):
    bundle of the same stint (a later call's) replaces it only with --overwrite;
 2. yardstick (--yardstick FILE, repeatable): `flashdraft eval --references FILE` on the CPU in float32, the
    shipped drafter first (the baseline of the report's paired per-prompt comparison) and the stint's beside it;
-   run again only when the file, the options or either drafter's weights changed;
+   run again only when the file, the options or either drafter's weights changed. Or (--report REPORT.json
+   --report-drafter NAME) the same eval made on a GPU, adopted: minutes there instead of hours here;
 3. results: the small files (stint.json, metrics.jsonl, config.yaml, the eval and yardstick reports; no weights)
    into benchmarks/results/campaign/stint-K/;
 4. stints.jsonl: the stint's line (stint.json plus the yardstick τ and paired verdicts) replaces its earlier line;
@@ -247,6 +248,44 @@ def yardstick(
         say("yardstick", f"{f.stem}: done in {(time.perf_counter() - t) / 60:.1f} min, {out / 'report.md'}")
 
 
+def adopt_reports(files: list[Path], name: str | None, unpacked: Path, models: Path) -> None:
+    """Yardstick reports made elsewhere (`flashdraft eval --references benchmarks/yardstick/FILE` on a GPU, float32,
+    the shipped drafter first) kept as this stint's, in UNPACKED/yardstick/STEM/: `name` is the stint's drafter in
+    them (a report may hold several stints' drafters, each paired with the shipped one)."""
+    for f in files:
+        try:
+            r = json.loads(f.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise IngestError(f"--report {f}: not a readable report.json ({e})") from None
+        drafters = list((r.get("drafters") or {}) if isinstance(r, dict) else {})
+        source = str(((r.get("references") or {}).get("source")) or "") if isinstance(r, dict) else ""
+        if not drafters or not source.startswith("frozen:"):
+            raise IngestError(
+                f"--report {f}: not an eval report on a frozen yardstick (references.source {source!r})"
+            )
+        if drafters[0] != models.name:
+            raise IngestError(
+                f"--report {f}: its first drafter is {drafters[0]!r}, not the shipped {models.name!r}"
+            )
+        if name not in drafters[1:]:
+            raise IngestError(f"--report {f}: --report-drafter {name!r} is not one of {drafters[1:]}")
+        stem = Path(source.removeprefix("frozen:")).stem
+        out = unpacked / "yardstick" / stem
+        key = {"report": str(f), "report_sha256": sha256(f), "drafter": name,
+               "baseline_sha256": sha256(models / "model.safetensors")}  # fmt: skip
+        mark = out / "ingest.json"
+        if mark.is_file() and json.loads(mark.read_text()) == key:
+            say("yardstick", f"{stem}: already adopted from {f}")
+            continue
+        out.mkdir(parents=True, exist_ok=True)
+        mark.unlink(missing_ok=True)
+        for part in ("report.json", "report.md"):
+            if (f.parent / part).is_file():
+                atomic_write_text(out / part, (f.parent / part).read_text())
+        atomic_write_text(mark, json.dumps(key, indent=1) + "\n")
+        say("yardstick", f"{stem}: adopted {f} (drafter {name!r} beside {drafters[0]!r})")
+
+
 def _taus(d: dict[str, Any]) -> dict[str, Any]:
     trees = {k: v["tau"] for k, v in d["methods"].items() if k.startswith("ddtree-")}
     best = max(trees, key=trees.__getitem__) if trees else None
@@ -261,6 +300,8 @@ def yardstick_summary(unpacked: Path) -> dict[str, Any]:
         r = json.loads(rep.read_text())
         key = json.loads((rep.parent / "ingest.json").read_text())
         (base, b), *_, (new, d) = r["drafters"].items()
+        if key.get("drafter"):  # an adopted report: the stint's drafter by name
+            new, d = key["drafter"], r["drafters"][key["drafter"]]
         paired = (d.get("paired") or {}).get("methods") or {}
         out[rep.parent.name] = {
             "prompts": d["samples"], "new": _taus(d), "shipped": _taus(b), "baseline": base, "drafter": new,
@@ -372,7 +413,7 @@ def campaign_section(rows: list[dict[str, Any]]) -> str:
         "One row per GPU stint of `benchmarks/gpu/campaign_stint.py`: GPU minutes of all its phases, minutes and "
         "optimizer steps of training, the samples and loss tokens it regenerated and the cumulative dataset it "
         "trained on, the trainer's last validation chain τ, and the frozen yardstick's chain / best-DDTree τ "
-        "(`flashdraft eval --references benchmarks/yardstick/FILE`, float32, CPU, beside the drafter shipped then). "
+        "(`flashdraft eval --references benchmarks/yardstick/FILE`, float32, beside the drafter shipped then). "
         "Learning curve: `benchmarks/results/campaign/learning_curve.png`.", "",
         "| " + " | ".join(head) + " |", "|---|---|---|" + "---:|" * (len(head) - 4) + "---|",
     ]  # fmt: skip
@@ -492,6 +533,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--yardstick", action="append", type=Path, default=[], help="a frozen reference file (repeatable)"
     )
+    p.add_argument(
+        "--report", action="append", type=Path, default=[],
+        help="a yardstick report.json made elsewhere (a GPU eval, the shipped drafter first; repeatable)",
+    )  # fmt: skip
+    p.add_argument("--report-drafter", default=None, help="the stint's drafter's name in the --report files")
     p.add_argument("--limit", type=int, default=None, help="yardstick prompts to evaluate (default: all)")
     p.add_argument(
         "--threads", type=int, default=None, help="torch threads of the yardstick eval (default: all)"
@@ -516,6 +562,7 @@ def main(
         k = stint["stint"]
         unpacked = unpack(a.folder, stint, a.data, a.overwrite)
         yardstick(a.yardstick, unpacked, a.models, a, run_eval)
+        adopt_reports(a.report, a.report_drafter, unpacked, a.models)
         write_results(small_files(unpacked), a.results / f"stint-{k}", a.overwrite)
         stints = a.results / "stints.jsonl"
         rows = upsert(stints, stint_line(unpacked))

@@ -471,3 +471,78 @@ def test_start_row_sums_the_manifests_and_takes_the_shipped_side(tmp_path: Path)
     assert [r["stint"] for r in rows] == [0, 1] and rows[1] == line
     assert rows[0]["train_minutes"] == 11.5 and rows[0]["new"] == {"samples": 15, "loss_tokens": 1300}
     assert rows[0]["yardstick"]["he"]["new"] == {"chain_tau": 3.0}
+
+
+def _gpu_report(tmp: Path, verdicts: dict[str, str]) -> Path:
+    """A three-drafter report as `flashdraft eval --references` writes it on a GPU: the shipped drafter first,
+    then two stints' drafters, each paired with the shipped one."""
+    methods = lambda c: {"chain": {"tau": c}, "ddtree-8": {"tau": c + 1}, "topk-8": {"tau": c + 2}}  # noqa: E731
+    drafters = {"models": {"samples": 100, "methods": methods(4.0), "paired": None}}
+    for k, (name, verdict) in enumerate(verdicts.items()):
+        chain = {"delta": -0.5 + k, "se": 0.06, "n": 100, "verdict": verdict}
+        drafters[name] = {"samples": 100, "methods": methods(3.5 + k),
+                          "paired": {"baseline": "models", "methods": {"chain": chain}}}  # fmt: skip
+    f = tmp / "gpu" / "sharegpt-heldout-100" / "report.json"
+    f.parent.mkdir(parents=True)
+    f.write_text(
+        json.dumps({"references": {"source": "frozen:sharegpt-heldout-100.jsonl"}, "drafters": drafters})
+    )
+    (f.parent / "report.md").write_text("three drafters\n")
+    return f
+
+
+def test_a_gpu_report_is_adopted_for_the_named_drafter(
+    call: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _models(tmp_path)
+    rep = _gpu_report(tmp_path, {"stint-1-drafter": "worse", "drafter-bf16": "better"})
+    argv = _argv(tmp_path, call, "--report", str(rep), "--report-drafter", "stint-1-drafter")
+    assert ci.main(argv, run_eval=_no_eval) == 0
+    out = capsys.readouterr().out
+    assert "adopted" in out and "not promoted: sharegpt-heldout-100: chain Δτ -0.500" in out
+    y = json.loads((tmp_path / "results" / "stints.jsonl").read_text())["yardstick"]["sharegpt-heldout-100"]
+    assert (
+        y["drafter"] == "stint-1-drafter"
+        and y["new"]["chain_tau"] == 3.5
+        and y["shipped"]["chain_tau"] == 4.0
+    )
+    assert y["paired"]["chain"]["verdict"] == "worse" and y["baseline"] == "models"
+    kept = tmp_path / "results" / "stint-2" / "yardstick" / "sharegpt-heldout-100"
+    assert (kept / "report.md").read_text() == "three drafters\n" and (kept / "report.json").is_file()
+
+    assert ci.main(argv, run_eval=_no_eval) == 0
+    assert "already adopted" in capsys.readouterr().out
+    # the other drafter of the same report: its own verdict replaces the first
+    assert ci.main([*argv[:-1], "drafter-bf16"], run_eval=_no_eval) == 0
+    y = json.loads((tmp_path / "results" / "stints.jsonl").read_text())["yardstick"]["sharegpt-heldout-100"]
+    assert y["drafter"] == "drafter-bf16" and y["paired"]["chain"]["verdict"] == "better"
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (
+            lambda r: r["drafters"].pop("models"),
+            "its first drafter is 'stint-1-drafter', not the shipped 'models'",
+        ),
+        (lambda r: r.update(references={"source": "humaneval"}), "not an eval report on a frozen yardstick"),
+        (lambda r: r["drafters"].pop("stint-1-drafter"), "--report-drafter 'stint-1-drafter' is not one of"),
+    ],
+)
+def test_a_report_that_cannot_be_adopted_is_a_one_line_error(
+    call: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    edit,
+    message: str,  # noqa: ANN001
+) -> None:
+    _models(tmp_path)
+    rep = _gpu_report(tmp_path, {"stint-1-drafter": "worse", "other": "better"})
+    r = json.loads(rep.read_text())
+    edit(r)
+    rep.write_text(json.dumps(r))
+    argv = _argv(tmp_path, call, "--report", str(rep), "--report-drafter", "stint-1-drafter")
+    assert ci.main(argv, run_eval=_no_eval) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "data" / "stint-2" / "yardstick").exists()
