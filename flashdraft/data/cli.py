@@ -35,7 +35,9 @@ def register(app: typer.Typer) -> None:
         ),
         batch_size: int = typer.Option(64, help="rows per generation batch (raise on a GPU: 512+)"),
         max_batch_tokens: int | None = typer.Option(
-            None, help="cap rows × (prompt + max_new_tokens) per batch"
+            None,
+            help="cap rows × (prompt + max_new_tokens) per batch: its KV cache in tokens (native engine: prompt = "
+            "--max-length; layers × 2 × kv_heads × head_dim × dtype bytes a token, 23,040 B for SmolLM2-135M in bf16)",
         ),
         limit: int | None = typer.Option(None, help="use only the first N conversations"),
         shard_size: int = typer.Option(512, help="conversations per resumable shard"),

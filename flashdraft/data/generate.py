@@ -10,8 +10,10 @@ path on a GPU (28K tok/s on an H200); "loop" — our batched greedy/sampling loo
 (flashdraft/data/loop.py), any family, the CPU's path: with `groups` > 1 and greedy on a Llama-family target,
 that many batches share each decode step (flashdraft/data/grouped.py; 175 vs 228 s for 450 prompts on a 2-core
 CPU, the same ids). Prompts are sorted by length and cut into batches of at most `batch_size` rows and
-`max_batch_tokens` (rows × (longest prompt + max_new_tokens)) tokens. Results come back in the order of the
-prompts, and depend only on the prompts and the seed.
+`max_batch_tokens` (rows × (longest prompt + max_new_tokens)) tokens: the KV cache's size in tokens. The
+native engine sizes its one cache for `max_prompt_len` (regeneration: `--max-length`) instead of the longest
+prompt, since later turns join the running batch. Results come back in the order of the prompts, and depend
+only on the prompts and the seed.
 """
 
 from __future__ import annotations

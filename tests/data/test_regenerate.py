@@ -100,6 +100,38 @@ def test_native_engine_runs_conversations_asynchronously_with_the_same_result(tm
     assert _dump(tmp_path / "native") == _dump(tmp_path / "loop")
 
 
+def test_native_engine_holds_one_batch_cache_at_a_time(tmp_path, target, monkeypatch):
+    """Each shard's `native_generate` allocates a KV cache sized for the whole batch (39 GiB for 512 rows of
+    SmolLM2-135M in bf16); the previous shard's must be gone by then, without waiting for the cyclic GC (a
+    reference cycle through the net kept it alive, and the next shard ran out of an H100's 80 GB). The GC is
+    off here, as between the rare full collections of a long run."""
+    import gc
+    import weakref
+
+    from flashdraft.data.native import BatchedNativeTarget
+
+    caches: list[weakref.ref] = []
+    init = BatchedNativeTarget.__init__
+
+    def tracked(self, *a, **k) -> None:
+        alive = sum(r() is not None for r in caches)
+        assert alive == 0, f"a batch cache is allocated while {alive} earlier one(s) are alive"
+        init(self, *a, **k)
+        caches.append(weakref.ref(self.cache))
+
+    monkeypatch.setattr(BatchedNativeTarget, "__init__", tracked)
+    cfg, tpl, params = _setup(tmp_path)
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        res = regenerate(cfg, tpl, LocalGenerator(target, params, engine="native", batch_size=3))
+    finally:
+        if enabled:
+            gc.enable()
+    assert len(caches) == res.shards_total == 4  # one cache per shard, conversations of 1 and 2 user turns
+    assert all(r() is None for r in caches)
+
+
 def test_sampled_set_merges_beside_the_greedy_one_with_the_same_split(tmp_path, target):
     """A sampled regeneration names its samples after the sampling (`@T1s7`), so merging it with the
     greedy set keeps both answers of every conversation — and each lands in the same split."""
