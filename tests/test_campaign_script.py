@@ -62,7 +62,7 @@ def test_dry_run_commands_parse_with_the_cli(capsys: pytest.CaptureFixture[str])
         plan.max_turns,
     )
     assert regen["time_limit"] == 3.0 and regen["device"] == "cuda" and regen["engine"] == "native"
-    assert regen["max_batch_tokens"] == 1_200_000  # two batch caches fit an 80 GB card
+    assert regen["max_batch_tokens"] == 2_500_000 and regen["shard_size"] == 1024 and regen["skip"] == 0
     merge = _parse(cmd["merge"])
     assert merge["inputs"] == ["/c/prev", "/w/new"] and merge["out"] == "/w/data"
     assert merge["contamination"] == [f"humaneval:{HE}"]
@@ -189,7 +189,12 @@ def test_ship_writes_the_summary_and_a_bundle_that_joins(tmp_path: Path) -> None
     assert s["val"] == {"val/chain_tau": 2.5, "val/ddtree_tau": 4.0, "val/seconds": 6.0}
     assert s["eval"]["humaneval"] == {"prompts": 48, "chain_tau": 3.1, "ddtree_tau": 5.2, "ddtree_budget": "ddtree-512",
                                       "topk8_streak": 5.0}  # fmt: skip
-    assert s["gpu_minutes"] >= 8.0 and s["plan"] == {"temperature": 1.0, "seed": 102, "max_turns": 3}
+    assert s["gpu_minutes"] >= 8.0 and s["plan"] == {
+        "temperature": 1.0,
+        "seed": 102,
+        "max_turns": 3,
+        "skip": 0,
+    }
     parts = sorted(out.glob("bundle.tar.part*"))
     assert parts and (out / "SHA256").is_file() and len(list(out.iterdir())) <= 8
     joined = tmp_path / "bundle.tar"
@@ -269,12 +274,25 @@ def test_defaults_follow_env_sh_folders(monkeypatch: pytest.MonkeyPatch) -> None
 
 
 def test_temperature_and_turns_override_the_stint_plan(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["--stint", "2", "--temperature", "0", "--max-turns", "3", "--work", "/w", "--dry-run"]
+    argv = [
+        "--stint",
+        "2",
+        "--temperature",
+        "0",
+        "--max-turns",
+        "3",
+        "--skip",
+        "10240",
+        "--work",
+        "/w",
+        "--dry-run",
+    ]
     assert cs.main(argv) == 0
     cmd = json.loads(capsys.readouterr().out)
     regen = _parse(cmd["regen"])
     assert (regen["temperature"], regen["max_turns"], regen["seed"]) == (0.0, 3, cs.plan_for(2).seed)
-    assert cmd["plan"] == {"temperature": 0.0, "seed": cs.plan_for(2).seed, "max_turns": 3}
+    assert regen["skip"] == 10240
+    assert cmd["plan"] == {"temperature": 0.0, "seed": cs.plan_for(2).seed, "max_turns": 3, "skip": 10240}
 
 
 def test_the_native_feature_pass_is_asked_for_and_compiled(capsys: pytest.CaptureFixture[str]) -> None:

@@ -72,6 +72,9 @@ class StintPlan:
     temperature: float
     seed: int
     max_turns: int  # user turns answered per conversation (1: first turns; more: later turns too)
+    skip: int = (
+        0  # conversations passed over first: a later slice (e.g. past those the shipped data answered)
+    )
 
 
 def plan_for(stint: int) -> StintPlan:
@@ -85,7 +88,7 @@ def stint_plan(a: argparse.Namespace) -> StintPlan:
     """`plan_for(--stint)`, with --temperature / --max-turns when given (e.g. greedy later turns: T 0, 3 turns)."""
     p = plan_for(a.stint)
     t = p.temperature if a.temperature is None else a.temperature
-    return StintPlan(t, p.seed, p.max_turns if a.max_turns is None else a.max_turns)
+    return StintPlan(t, p.seed, p.max_turns if a.max_turns is None else a.max_turns, a.skip)
 
 
 def check_training_input(spec: str) -> str:
@@ -121,10 +124,13 @@ class Budget:
 
 
 def regen_args(a: argparse.Namespace, plan: StintPlan, out: Path, minutes: float) -> list[str]:
+    # shards of 1,024 conversations: --time-limit starts no shard that would end after it, and a 4,096-conversation
+    # shard of three turns took 3 minutes on an H100 (2026-12-06), so a 4.5-minute limit stopped after 3.3
     args = [
         "data", "regenerate", "--target", a.target, "--out", str(out), "--device", "cuda", "--dtype", "bfloat16",
         "--engine", "native", "--batch-size", "512", "--max-batch-tokens", str(a.max_batch_tokens),
-        "--max-new-tokens", str(a.max_new_tokens), "--shard-size", "4096", "--max-turns", str(plan.max_turns),
+        "--max-new-tokens", str(a.max_new_tokens), "--shard-size", "1024", "--max-turns", str(plan.max_turns),
+        "--skip", str(plan.skip),
         "--temperature", str(plan.temperature), "--seed", str(plan.seed), "--time-limit", str(minutes),
         "--contamination", f"humaneval:{a.humaneval}",
     ]  # fmt: skip
@@ -424,10 +430,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--temperature", type=float, default=None, help="instead of the stint's (0: greedy answers)"
     )
     p.add_argument("--max-turns", type=int, default=None, help="instead of the stint's: user turns answered")
+    p.add_argument("--skip", type=int, default=0, help="regenerate from the (N+1)-th conversation on")
     p.add_argument(
-        "--max-batch-tokens", type=int, default=1_200_000,
-        help="regeneration's rows x (prompt + new tokens) per batch: its KV cache is ~23 KB a token, and a later "
-        "turn's batch is allocated while the last one's is still held (2.5M ran out of an H100's 80 GB at turn 3)",
+        "--max-batch-tokens", type=int, default=2_500_000,
+        help="regeneration's rows x (max length + new tokens) per batch: a KV cache of ~23 KB a token for "
+        "SmolLM2-135M in bf16 (rows are capped at 512: 39 GiB)",
     )  # fmt: skip
     p.add_argument("--val-every", type=int, default=1000, help="trainer validation interval (eval.every)")
     p.add_argument(

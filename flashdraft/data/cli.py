@@ -40,6 +40,9 @@ def register(app: typer.Typer) -> None:
             "--max-length; layers × 2 × kv_heads × head_dim × dtype bytes a token, 23,040 B for SmolLM2-135M in bf16)",
         ),
         limit: int | None = typer.Option(None, help="use only the first N conversations"),
+        skip: int = typer.Option(
+            0, min=0, help="pass over the first N conversations (a later slice; with --limit: N+1..N+limit)"
+        ),
         shard_size: int = typer.Option(512, help="conversations per resumable shard"),
         split_turns: bool = typer.Option(False, "--split-turns", help="one sample per answered user turn"),
         max_turns: int | None = typer.Option(
@@ -91,7 +94,7 @@ def register(app: typer.Typer) -> None:
         logging.basicConfig(level=logging.WARNING, format="%(message)s")
         cfg = RegenConfig(
             inputs=list(input), out=out, target=target, max_new_tokens=max_new_tokens, temperature=temperature,
-            top_p=top_p, thinking=thinking, limit=limit, shard_size=shard_size, max_length=max_length,
+            top_p=top_p, thinking=thinking, limit=limit, skip=skip, shard_size=shard_size, max_length=max_length,
             block_size=block_size, eval_fraction=eval_fraction, split_turns=split_turns,
             max_turns=max_turns, max_bad_fraction=max_bad_fraction, seed=seed,
             contamination_sources=[c for c in contamination if c != "none"],

@@ -76,6 +76,7 @@ class RegenConfig:
     top_p: float = 1.0
     thinking: bool | None = None  # None: the template's default
     limit: int | None = None  # conversations, after dedup
+    skip: int = 0  # conversations passed over first (after dedup, before `limit`): a later slice
     shard_size: int = 512  # conversations per resumable shard
     max_length: int = 3072  # tokens per sample (paper recipe)
     block_size: int = 16  # samples keep >= 2·block_size loss tokens
@@ -97,6 +98,8 @@ class RegenConfig:
         d = {k: getattr(self, k) for k in keys}
         if self.max_turns is not None:  # absent when unset: shards of earlier runs stay valid
             d["max_turns"] = self.max_turns
+        if self.skip:
+            d["skip"] = self.skip
         d["template"] = template.fingerprint
         return d
 
@@ -133,12 +136,13 @@ def first_user_turns(c: Conversation, n: int) -> Conversation:
 
 def collect_conversations(cfg: RegenConfig) -> tuple[list[Conversation], Counter[str], SourceStats]:
     """Every input's conversations (cut to `max_turns` user turns), prompt-duplicates removed, ids made
-    unique, `limit` applied."""
+    unique, the first `skip` passed over, `limit` applied."""
     stats = SourceStats(max_bad_fraction=cfg.max_bad_fraction)
     drops: Counter[str] = Counter()
     seen: set[str] = set()
     ids: set[str] = set()
     convs: list[Conversation] = []
+    skipped = 0
     for spec in cfg.inputs:
         for c in iter_conversations(spec, stats):
             if cfg.max_turns is not None:
@@ -148,6 +152,9 @@ def collect_conversations(cfg: RegenConfig) -> tuple[list[Conversation], Counter
                 drops["duplicate_prompt"] += 1
                 continue
             seen.add(key)
+            if skipped < cfg.skip:
+                skipped += 1
+                continue
             cid = f"{c.source}/{c.id}"
             while cid in ids:  # two sources or a user file may reuse an id
                 cid += "+"

@@ -341,6 +341,20 @@ def test_max_turns_answers_only_the_first_user_turns(tmp_path, target):
         assert (split, ids, mask) == ref[:3]  # the same first answer (and split) as the full run's
 
 
+def test_skip_answers_a_later_slice_of_the_conversations(tmp_path, target):
+    """--skip 4 --limit 3: the 5th to 7th distinct conversations (the duplicate of q1 is not counted), each
+    answered as in the full run; skip is in the resume fingerprint."""
+    cfg, tpl, params = _setup(tmp_path, "full")
+    regenerate(cfg, tpl, LocalGenerator(target, params, batch_size=8))
+    cfg2, _, _ = _setup(tmp_path, "slice", skip=4, limit=3)
+    res = regenerate(cfg2, tpl, LocalGenerator(target, params, batch_size=8))
+    full, part = _dump(tmp_path / "full"), _dump(tmp_path / "slice")
+    assert sorted(part) == ["sharegpt/q4", "sharegpt/q5", "sharegpt/q6"]
+    assert all(part[k][:3] == full[k][:3] for k in part)
+    assert res.manifest["conversations"] == 3
+    assert cfg2.fingerprint(tpl)["skip"] == 4 and "skip" not in cfg.fingerprint(tpl)
+
+
 def test_max_turns_is_part_of_the_resume_fingerprint(tmp_path, target):
     cfg, tpl, params = _setup(tmp_path)
     with pytest.raises(_Interrupt):
