@@ -356,14 +356,11 @@ def stint_line(unpacked: Path) -> dict[str, Any]:
 
 
 def read_lines(path: Path) -> list[dict[str, Any]]:
-    rows = []
-    for n, text in enumerate(path.read_text().splitlines() if path.is_file() else [], start=1):
-        if text.strip():
-            try:
-                rows.append(json.loads(text))
-            except json.JSONDecodeError as e:
-                raise IngestError(f"{path}:{n}: not JSON ({e.msg}): fix or remove the line") from None
-    return rows
+    """stints.jsonl's rows through the learning curve's reader; a bad line is an IngestError naming it."""
+    try:
+        return plot_module().read_rows(path)
+    except ValueError as e:
+        raise IngestError(str(e)) from None
 
 
 def upsert(path: Path, line: dict[str, Any]) -> list[dict[str, Any]]:

@@ -31,13 +31,15 @@ class CurvePoint:
 
 
 def read_rows(path: str | Path) -> list[dict[str, Any]]:
+    """The stints of a stints.jsonl ([] when it does not exist yet); a bad line is a ValueError naming it."""
+    path = Path(path)
     rows = []
-    for n, line in enumerate(Path(path).read_text().splitlines(), start=1):
+    for n, line in enumerate(path.read_text().splitlines() if path.is_file() else [], start=1):
         if line.strip():
             try:
                 rows.append(json.loads(line))
             except json.JSONDecodeError as e:
-                raise SystemExit(f"{path}:{n}: not JSON ({e.msg}): fix or remove the line") from None
+                raise ValueError(f"{path}:{n}: not JSON ({e.msg}): fix or remove the line") from None
     return rows
 
 
@@ -116,7 +118,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", required=True, help="the PNG to write")
     ap.add_argument("--table", action="store_true", help="also print the markdown table")
     a = ap.parse_args(argv)
-    points = curve(read_rows(a.stints))
+    try:
+        points = curve(read_rows(a.stints))
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     if not points:
         raise SystemExit(f"{a.stints}: no stints")
     plot(points, a.out)

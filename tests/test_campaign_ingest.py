@@ -546,3 +546,16 @@ def test_a_report_that_cannot_be_adopted_is_a_one_line_error(
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "data" / "stint-2" / "yardstick").exists()
+
+
+def test_a_bad_stints_line_is_one_error_naming_it_in_ingest_and_the_curve(
+    call: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    stints = tmp_path / "results" / "stints.jsonl"
+    stints.parent.mkdir(parents=True)
+    stints.write_text('{"stint": 0}\n{"stint": 1,\n')
+    assert ci.main(_argv(tmp_path, call), run_eval=_no_eval) == 2
+    assert f"{stints}:2: not JSON" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match=f"{stints}:2: not JSON"):
+        ci.plot_module().main([str(stints), "--out", str(tmp_path / "c.png")])
+    assert ci.plot_module().read_rows(tmp_path / "none.jsonl") == []  # no file yet: no stints
