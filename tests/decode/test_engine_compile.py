@@ -66,3 +66,52 @@ def test_compiled_target_inside_cuda_graphs_on_gpu():
         b = eager.generate([5, 9, 11], max_new_tokens=40, method=method, budget=budget)
         _same(a, b, (method, budget))
     assert all(ph.graph is not None for ph in compiled._phases.values())
+
+
+def _scramble(engine: FastEngine, seed: int) -> None:
+    """Every buffer a generate may find left over from the last one, refilled with garbage: the caches, the round
+    state, the verify / tree buffers (integers 0 or 1: an index wherever an index is read)."""
+    g = torch.Generator().manual_seed(seed)
+    bufs = [engine.native.cache, engine.seq_len, engine.bonus, engine.n_pending, engine.out]
+    bufs += [t for q in engine._q.values() for t in q.values()]
+    bufs += [t for tree in engine._tree.values() for t in (tree["out"].parents, tree["out"].depths)]
+    if engine.ndrafter is not None:
+        bufs += [engine.ndrafter.cache, engine.pending, engine.draft_logits, engine.draft_tokens]
+    for t in bufs:
+        if t.dtype == torch.bool:
+            t.copy_(torch.rand(t.shape, generator=g) < 0.5)
+        elif t.is_floating_point():
+            t.copy_(torch.randn(t.shape, generator=g, dtype=t.dtype) * 3)
+        else:
+            t.copy_(torch.randint(0, 2, t.shape, generator=g))
+
+
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_engine_generate_depends_on_its_request_only(compiled):
+    """float64, a mostly-right drafter: the same prompt gives the same tokens and τ per round after another prompt,
+    with profile=True, and after every buffer a generate leaves behind was scrambled — nothing of the last call
+    (cache rows, drafter context, verify inputs) reaches the next, with the eager and the compiled target (two
+    compilations, q = 1 and q = 8, ~1-2 minutes on 2 cores)."""
+    target = tiny_target("llama", layers=2, seed=5)
+    inner = tiny_drafter(target, layers=1, block_size=BLOCK, seed=0)
+    oracle = OracleDrafter(target, inner, [3], error_rate=0.3, sharpness=8.0, seed=3)
+    engine = OracleEngine(target, oracle, max_len=64, max_budget=7, compile_target=compiled)
+    rng = random.Random(4)
+    prompt, other = _prompt(rng, target.vocab_size), _prompt(rng, target.vocab_size)
+
+    def run(ids: list[int], method: str, budget: int | None, **kw):
+        engine.oracle = OracleDrafter(target, inner, ids, error_rate=0.3, sharpness=8.0, seed=3)
+        return engine.generate(ids, max_new_tokens=24, method=method, budget=budget,
+                               on_tokens=engine.oracle.on_tokens, **kw)  # fmt: skip
+
+    deep = 0
+    for method, budget in [("ar", None), ("chain", None), ("ddtree", BLOCK - 1)]:
+        first = run(prompt, method, budget)
+        run(other, method, budget)
+        _same(run(prompt, method, budget, profile=True), first, (method, "profiled after another prompt"))
+        assert engine.last_profile.rounds == first.rounds
+        _scramble(engine, seed=len(first.tokens))
+        _same(run(prompt, method, budget), first, (method, "after scrambling"))
+        deep += sum(a > 2 for a in first.acceptance_lengths) if method != "ar" else 0
+    assert deep > 0  # the commits moved K/V and features of deep acceptances
+    assert (engine.native._compiled is not None) == compiled
