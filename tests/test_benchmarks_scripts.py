@@ -335,9 +335,9 @@ def test_forward_speed_records_where_a_profiled_run_differs(monkeypatch: pytest.
         top2 = ref.topk(2).values
         d = prof["divergences"][0]
         assert (d["a"], d["b"], d["eager_argmax"]) == (seq[5], (seq[5] + 1) % 97, int(ref.argmax()))
-        assert d["top2_margin"] == pytest.approx(float(top2[0] - top2[1]), abs=1e-9)
+        assert d["eager_top2_margin"] == pytest.approx(float(top2[0] - top2[1]), abs=1e-9)
         assert d["gap_a_minus_b"] == pytest.approx(float(ref[d["a"]] - ref[d["b"]]), abs=1e-9)
-    margin = out["ar"]["profiled_vs_timed"]["divergences"][0]["top2_margin"]
+    margin = out["ar"]["profiled_vs_timed"]["divergences"][0]["eager_top2_margin"]
     results = {
         "variants": {"compiled": {"phases": {}, "rounds": out, "stale_rows_identical": {"ar_step": True}}}
     }

@@ -159,7 +159,7 @@ def first_divergence(
     last = logits[-1]  # [V] predicts token j (float32 at least: the native head's)
     top2 = last.topk(2)
     div["eager_argmax"] = int(top2.indices[0])
-    div["top2_margin"] = float(top2.values[0] - top2.values[1])
+    div["eager_top2_margin"] = float(top2.values[0] - top2.values[1])
     if div["a"] is not None and div["b"] is not None:
         div["gap_a_minus_b"] = float(last[div["a"]] - last[div["b"]])
     return div
@@ -350,7 +350,7 @@ def agreement_cell(a: dict[str, Any]) -> str:
     cell = f"{a['identical']}/{a['of']}"
     if a["divergences"]:
         d = a["divergences"][0]
-        cell += f" @{d['index']} Δ{d['top2_margin']:.3f}"
+        cell += f" @{d['index']} Δ{d['eager_top2_margin']:.3f}"
     return cell
 
 
