@@ -286,7 +286,87 @@ def test_forward_speed_smoke_on_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPa
         assert res["variants"][v]["rounds"]["chain"]["round_ms"]["verify"] > 0
     cmp = res["compiled_vs_eager"]
     assert cmp["ar_identical_sequences"] == cmp["of"] == 2
+    for v in ("eager", "compiled"):  # the same graphs at the same state: the same tokens, whatever ran before
+        assert all(res["variants"][v]["stale_rows_identical"].values())
+        for row in res["variants"][v]["rounds"].values():
+            assert row["rerun_vs_timed"]["identical"] == row["profiled_vs_timed"]["identical"] == 2
     tf = cmp["teacher_forced"]
     assert tf["positions"] > 0 and tf["argmax_agree_frac"] == 1.0 and tf["max_abs_dlogit"] < 1e-3
     with pytest.raises(SystemExit, match="--overwrite"):  # never replaces a file it did not write
         bench.main(argv)
+
+
+def _small_engine() -> Any:
+    """An eager FastEngine (CPU, float64) over a 2-layer tiny target and a block-4 drafter: fast."""
+    from flashdraft.decode.engine import FastEngine
+    from tests.conftest import tiny_drafter, tiny_target
+
+    target = tiny_target("llama", layers=2, seed=5)
+    return FastEngine(target, tiny_drafter(target, layers=1, block_size=4), max_len=48, max_budget=3)
+
+
+def test_forward_speed_records_where_a_profiled_run_differs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """forward_speed.py's rounds: a profiled run whose tokens differ from the timed run's is recorded (token index,
+    both tokens, the eager target's top-2 margin there) and shown in the table, where an assert ended the variant."""
+    import torch
+
+    bench = _load_script(REPO / "benchmarks" / "gpu" / "forward_speed.py", monkeypatch)
+    engine = _small_engine()
+    real = engine.generate
+
+    def generate(ids: list[int], *, profile: bool = False, **kw: Any) -> Any:
+        res = real(ids, profile=profile, **kw)
+        if profile:  # a profiled run that breaks a tie the other way at token 5
+            res.tokens[5] = (res.tokens[5] + 1) % engine.target.vocab_size
+        return res
+
+    monkeypatch.setattr(engine, "generate", generate)
+    prompts = [[5, 9, 11], [7, 3, 20, 8]]
+    out = bench.rounds(engine, prompts, 3, 10, "cpu")
+    for name in ("ar", "chain", "ddtree-3"):
+        assert out[name]["rerun_vs_timed"] == {"identical": 2, "of": 2, "divergences": []}
+        prof = out[name]["profiled_vs_timed"]
+        assert prof["identical"] == 0 and [(d["prompt"], d["index"]) for d in prof["divergences"]] == [
+            (0, 5),
+            (1, 5),
+        ]
+        seq = out[name]["sequences"][0]
+        ref = engine.target.forward(torch.tensor([prompts[0] + seq[:5]])).logits[0, -1]  # predicts token 5
+        top2 = ref.topk(2).values
+        d = prof["divergences"][0]
+        assert (d["a"], d["b"], d["eager_argmax"]) == (seq[5], (seq[5] + 1) % 97, int(ref.argmax()))
+        assert d["eager_top2_margin"] == pytest.approx(float(top2[0] - top2[1]), abs=1e-9)
+        assert d["gap_a_minus_b"] == pytest.approx(float(ref[d["a"]] - ref[d["b"]]), abs=1e-9)
+    margin = out["ar"]["profiled_vs_timed"]["divergences"][0]["eager_top2_margin"]
+    results = {
+        "variants": {"compiled": {"phases": {}, "rounds": out, "stale_rows_identical": {"ar_step": True}}}
+    }
+    lines = bench.table(results, 3, 4)
+    assert f"| ar profiled = timed | 0/2 @5 Δ{margin:.3f} |" in lines
+    assert "| ar rerun = timed | 2/2 |" in lines
+    assert "| target phases ignore stale cache rows | True |" in lines
+
+
+def test_forward_speed_stale_rows_probe_catches_a_phase_reading_stale_rows(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The probe: the engine's phases give the same K/V rows, features and choices whatever the cache holds past the
+    committed length; a target forward that also reads the (never written) last cache row is caught."""
+    from flashdraft.decode.native import NativeOutput
+
+    bench = _load_script(REPO / "benchmarks" / "gpu" / "forward_speed.py", monkeypatch)
+    engine = _small_engine()
+    engine.warmup([("ar", None), ("chain", None), ("ddtree", 3)])
+    engine.generate([5, 9, 11], max_new_tokens=2, method="chain")
+    seq_len = int(engine.seq_len)
+    assert bench.stale_rows_probe(engine, 3) == {"ar_step": True, "verify_chain": True, "verify_tree": True}
+    assert int(engine.seq_len) == seq_len
+    real = engine.native.forward
+
+    def leaky(*args: Any, **kw: Any) -> NativeOutput:
+        out = real(*args, **kw)
+        extra = engine.native.cache[..., -1, :].sum()
+        return NativeOutput(out.logits, None if out.features is None else out.features + extra)
+
+    monkeypatch.setattr(engine.native, "forward", leaky)
+    assert bench.stale_rows_probe(engine, 3) == {"ar_step": True, "verify_chain": False, "verify_tree": False}

@@ -13,7 +13,10 @@ the other through torch.compile (inductor, default mode) captured inside them. F
   kernels one run of each phase launches (torch.profiler: what its graph replays);
 - AR, chain and DDTree-`budget` generation on `--prompts` prompts (T = 0): tokens/s, τ, speedup over the same
   engine's AR, and where a round's time goes (`FastEngine.generate(profile=True)`: draft, tree, verify,
-  commit = acceptance and K/V bookkeeping, host = the round's read and the host loop);
+  commit = acceptance and K/V bookkeeping, host = the round's read and the host loop); whether each prompt's
+  timed run, a second timed run and the profiled run give the same tokens (the same graphs replay: they must;
+  where not, the first differing token and the eager target's top-2 margin there), and whether the target phases
+  write the same K/V, features and choices whatever the cache holds past the committed length (stale rows);
 - compiled against eager on the same text (each prompt and its AR continuation, teacher-forced in chunks of
   B after an eager prefill): max |Δlogit|, argmax agreement, the eager top-2 margin where they disagree;
   and whether the AR sequences of the two engines are identical.
@@ -138,14 +141,89 @@ def phase_costs(engine: FastEngine, prompt: list[int], budget: int, reps: int) -
     return out
 
 
+def first_divergence(
+    engine: FastEngine, prompt: list[int], a: list[int], b: list[int]
+) -> dict[str, Any] | None:
+    """Where two greedy continuations `a`, `b` of `prompt` first differ (None where they are equal): the index,
+    both tokens, and the target there by the engine's eager forward over the prompt and the common prefix (its
+    logits, float32 at least): the top-2 margin and the logit gap between the two tokens (0 at an exact tie). The forward
+    overwrites the cache rows the next generate's prefill writes anyway."""
+    j = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+    if j == len(a) == len(b):
+        return None
+    div: dict[str, Any] = {"index": j, "a": a[j] if j < len(a) else None, "b": b[j] if j < len(b) else None}
+    ids = torch.tensor(prompt + a[:j], device=engine.device)
+    pos = torch.arange(len(ids), device=engine.device)
+    logits = engine.native.forward(ids, pos, pos, engine.kv_idx[None] <= pos[:, None]).logits
+    assert logits is not None
+    last = logits[-1]  # [V] predicts token j (float32 at least: the native head's)
+    top2 = last.topk(2)
+    div["eager_argmax"] = int(top2.indices[0])
+    div["eager_top2_margin"] = float(top2.values[0] - top2.values[1])
+    if div["a"] is not None and div["b"] is not None:
+        div["gap_a_minus_b"] = float(last[div["a"]] - last[div["b"]])
+    return div
+
+
+def agreement(
+    engine: FastEngine, prompts: list[list[int]], ref: list[list[int]], other: list[list[int]]
+) -> dict[str, Any]:
+    """How many prompts' sequences `other` equal `ref`, and each differing prompt's first divergence."""
+    divs = []
+    for i, (p, a, b) in enumerate(zip(prompts, ref, other, strict=True)):
+        d = first_divergence(engine, p, a, b)
+        if d is not None:
+            divs.append({"prompt": i, **d})
+    return {"identical": len(prompts) - len(divs), "of": len(prompts), "divergences": divs}
+
+
+def stale_rows_probe(engine: FastEngine, budget: int) -> dict[str, bool]:
+    """Whether the target phases read only the cache rows they may, at the engine's state (after a prefill): the
+    rows from the committed length on (masked, or written by the phase before it attends) get two different
+    random fills, and each phase (AR step; chain verify; tree phase + tree verify) must write bit-identical K/V
+    rows, features and choices. False: it reads stale rows, so a generate depends on the one before it."""
+    cache, seq = engine.native.cache, int(engine.seq_len)  # cache [layers, 2, kv, S, hd]
+    scale = float(cache[:, :, :, :seq].float().std())  # garbage of the real rows' size
+    seq_len, bonus = engine.seq_len.clone(), engine.bonus.clone()
+    keys = {
+        "ar_step": ([next(k for k in engine._phases if k[0] == "ar")], 1),
+        "verify_chain": ([next(k for k in engine._phases if k[0] == "verify_chain")], engine.block),
+        "verify_tree": (
+            [("tree", budget), next(k for k in engine._phases if k[0] == "verify" and k[1] == budget + 1)],
+            budget + 1,
+        ),
+    }
+    out = {}
+    for name, (phases, q) in keys.items():
+        buf, seen = engine._qbuf(q), []
+        for fill in (1, 2):
+            g = torch.Generator(device=engine.device).manual_seed(fill)
+            rest = cache[:, :, :, seq:]
+            rest.copy_(torch.randn(rest.shape, generator=g, device=engine.device) * scale)
+            engine.seq_len.copy_(seq_len)  # the AR step advances the state
+            engine.bonus.copy_(bonus)
+            for k in phases:
+                engine._phases[k]()
+            seen.append(
+                [cache[:, :, :, seq : seq + q].clone(), buf["choice"].clone(), buf["features"].clone()]
+            )
+        sync(engine.device.type)
+        out[name] = all(torch.equal(x, y) for x, y in zip(*seen, strict=True))
+    engine.seq_len.copy_(seq_len)
+    engine.bonus.copy_(bonus)
+    return out
+
+
 def rounds(
     engine: FastEngine, prompts: list[list[int]], budget: int, n_new: int, device: str
 ) -> dict[str, Any]:
-    """AR, chain, DDTree-budget on every prompt: tokens/s, τ, per-round phase ms (profiled runs)."""
+    """AR, chain, DDTree-budget on every prompt: tokens/s, τ, per-round phase ms (profiled runs). Each prompt
+    runs timed, timed again and profiled: the three must give the same tokens (the same graphs replay, at the
+    same state after the prefill); where they do not, `rerun_vs_timed` / `profiled_vs_timed` say where."""
     out: dict[str, Any] = {}
     for method, b in [("ar", None), ("chain", None), ("ddtree", budget)]:
         engine.generate(prompts[0], max_new_tokens=8, method=method, budget=b)  # warm
-        wall, toks, accepted, sums, n_rounds, seqs = 0.0, 0, [], {}, 0, []
+        wall, toks, accepted, sums, n_rounds, seqs, reruns, profiled = 0.0, 0, [], {}, 0, [], [], []
         for p in prompts:
             sync(device)
             t0 = time.perf_counter()
@@ -155,17 +233,21 @@ def rounds(
             toks += len(r.tokens)
             accepted += r.acceptance_lengths
             seqs.append(r.tokens)
-            r2 = engine.generate(p, max_new_tokens=n_new, method=method, budget=b, profile=True)
+            reruns.append(engine.generate(p, max_new_tokens=n_new, method=method, budget=b).tokens)
+            profiled.append(
+                engine.generate(p, max_new_tokens=n_new, method=method, budget=b, profile=True).tokens
+            )
             prof = engine.last_profile
             for k, v in prof.as_dict().items():
                 if k != "rounds":
                     sums[k] = sums.get(k, 0.0) + v
             n_rounds += prof.rounds
-            assert r2.tokens == r.tokens
         name = method if b is None else f"{method}-{b}"
         out[name] = {
             "tokens": toks, "tokens_per_s": toks / wall, "tau": statistics.mean(accepted) if accepted else 0.0,
             "round_ms": {k.removesuffix("_ms"): v / max(n_rounds, 1) for k, v in sums.items()}, "sequences": seqs,
+            "rerun_vs_timed": agreement(engine, prompts, seqs, reruns),
+            "profiled_vs_timed": agreement(engine, prompts, seqs, profiled),
         }  # fmt: skip
     ar = out["ar"]["tokens_per_s"]
     for row in out.values():
@@ -252,7 +334,24 @@ def table(results: dict[str, Any], budget: int, block: int) -> list[str]:
             )
             for ph in ("draft", "tree", "verify", "commit", "host"):
                 row(f"{m} round: {ph} ms", lambda v, m=m, ph=ph: v["rounds"][m]["round_ms"][ph])
+        for check in ("rerun_vs_timed", "profiled_vs_timed"):
+            row(
+                f"{m} {check.replace('_vs_', ' = ')}",
+                lambda v, m=m, c=check: agreement_cell(v["rounds"][m][c]),
+                "{}",
+            )
+    row("target phases ignore stale cache rows", lambda v: all(v["stale_rows_identical"].values()), "{}")
     return lines
+
+
+def agreement_cell(a: dict[str, Any]) -> str:
+    """'3/3', or '2/3 @57 Δ0.000': identical prompts, then the first divergence's token index and the eager
+    top-2 margin there (near 0: a near-tie the two runs broke differently)."""
+    cell = f"{a['identical']}/{a['of']}"
+    if a["divergences"]:
+        d = a["divergences"][0]
+        cell += f" @{d['index']} Δ{d['eager_top2_margin']:.3f}"
+    return cell
 
 
 def measure_variant(
@@ -274,6 +373,8 @@ def measure_variant(
     log(
         f"{v}: {json.dumps({k: round(x, 4) if isinstance(x, float) else x for k, x in row['phases'].items()})}"
     )
+    row["stale_rows_identical"] = stale_rows_probe(eng, args.budget)
+    log(f"{v}: target phases independent of stale cache rows: {row['stale_rows_identical']}")
     save(results, args.out)
     row["rounds"] = rounds(eng, prompts, args.budget, args.max_new_tokens, args.device)
     save(results, args.out)

@@ -4,11 +4,14 @@ backend here), token-identical to greedy AR in float64."""
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
 
 from flashdraft.decode.engine import FastEngine
+from flashdraft.decode.generate import GenerationResult
 from flashdraft.decode.generate import generate as reference_generate
 from tests.conftest import tiny_drafter, tiny_target
 from tests.decode.oracle import OracleDrafter
@@ -66,3 +69,82 @@ def test_compiled_target_inside_cuda_graphs_on_gpu():
         b = eager.generate([5, 9, 11], max_new_tokens=40, method=method, budget=budget)
         _same(a, b, (method, budget))
     assert all(ph.graph is not None for ph in compiled._phases.values())
+
+
+def _scramble(engine: FastEngine, seed: int) -> None:
+    """Every buffer a generate may find left over from the last one, refilled with garbage: the caches, the round
+    state, the verify / tree buffers (integers 0 or 1: an index wherever an index is read)."""
+    g = torch.Generator().manual_seed(seed)
+    bufs = [engine.native.cache, engine.seq_len, engine.bonus, engine.n_pending, engine.out]
+    bufs += [t for q in engine._q.values() for t in q.values()]
+    bufs += [t for tree in engine._tree.values() for t in (tree["out"].parents, tree["out"].depths)]
+    if engine.ndrafter is not None:
+        bufs += [engine.ndrafter.cache, engine.pending, engine.draft_logits, engine.draft_tokens]
+    for t in bufs:  # drawn on the CPU, copied in place (CUDA graphs keep their addresses)
+        if t.dtype == torch.bool:
+            t.copy_(torch.rand(t.shape, generator=g) < 0.5)
+        elif t.is_floating_point():
+            t.copy_(torch.randn(t.shape, generator=g, dtype=torch.float64) * 3)
+        else:
+            t.copy_(torch.randint(0, 2, t.shape, generator=g))
+
+
+def _check_request_only(run: Callable[..., GenerationResult], engine: FastEngine, prompt: list[int],
+                        other: list[int], methods: list[tuple[str, int | None]]) -> list[GenerationResult]:  # fmt: skip
+    """`run(ids, method, budget, **kw)` gives the same tokens and τ per round for `prompt` after `other`, with
+    profile=True, and after `_scramble`: nothing of the last call reaches the next. The first results."""
+    firsts = []
+    for method, budget in methods:
+        first = run(prompt, method, budget)
+        run(other, method, budget)
+        _same(run(prompt, method, budget, profile=True), first, (method, "profiled after another prompt"))
+        assert engine.last_profile.rounds == first.rounds
+        _scramble(engine, seed=len(first.tokens))
+        _same(run(prompt, method, budget), first, (method, "after scrambling"))
+        firsts.append(first)
+    return firsts
+
+
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_engine_generate_depends_on_its_request_only(compiled):
+    """float64, a mostly-right drafter: the same prompt gives the same tokens and τ per round after another prompt,
+    with profile=True, and after every buffer a generate leaves behind was scrambled — nothing of the last call
+    (cache rows, drafter context, verify inputs) reaches the next, with the eager and the compiled target (two
+    compilations, q = 1 and q = 8, ~1-2 minutes on 2 cores)."""
+    target = tiny_target("llama", layers=2, seed=5)
+    inner = tiny_drafter(target, layers=1, block_size=BLOCK, seed=0)
+    oracle = OracleDrafter(target, inner, [3], error_rate=0.3, sharpness=8.0, seed=3)
+    engine = OracleEngine(target, oracle, max_len=64, max_budget=7, compile_target=compiled)
+    rng = random.Random(4)
+
+    def run(ids: list[int], method: str, budget: int | None, **kw: Any) -> GenerationResult:
+        engine.oracle = OracleDrafter(target, inner, ids, error_rate=0.3, sharpness=8.0, seed=3)
+        return engine.generate(ids, max_new_tokens=24, method=method, budget=budget,
+                               on_tokens=engine.oracle.on_tokens, **kw)  # fmt: skip
+
+    methods = [("ar", None), ("chain", None), ("ddtree", BLOCK - 1)]
+    firsts = _check_request_only(
+        run, engine, _prompt(rng, target.vocab_size), _prompt(rng, target.vocab_size), methods
+    )
+    assert sum(a > 2 for r in firsts[1:] for a in r.acceptance_lengths) > 0  # commits moved deep paths' K/V
+    assert (engine.native._compiled is not None) == compiled
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("compiled", [False, True])
+def test_cuda_graphs_generate_depends_on_its_request_only_on_gpu(compiled):
+    """bf16 on CUDA, the phases as graphs (the compiled target's inside them): a generate replays the same graphs
+    from the same state as the last one for that prompt, so its tokens are the same bit for bit — in bf16 too, near
+    ties included — after another prompt, profiled (CUDA events between the replays) and after the scrambling."""
+    target = tiny_target("llama", layers=4, hidden=64, dtype=torch.bfloat16)
+    target.model.cuda()
+    drafter = tiny_drafter(target, layers=1, block_size=BLOCK).cuda()
+    engine = FastEngine(target, drafter, max_len=96, max_budget=32, compile_target=compiled)
+
+    def run(ids: list[int], method: str, budget: int | None, **kw: Any) -> GenerationResult:
+        return engine.generate(ids, max_new_tokens=40, method=method, budget=budget, **kw)
+
+    methods = [("ar", None), ("chain", None), ("ddtree", 8), ("ddtree", 32)]
+    _check_request_only(run, engine, [5, 9, 11], [7, 3, 20, 8, 6, 40], methods)
+    assert all(ph.graph is not None for ph in engine._phases.values())
