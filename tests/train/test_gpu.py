@@ -77,9 +77,9 @@ def test_compiled_drafter_trains_with_flex_on_cuda(scope):
     assert math.isfinite(last) and last < first
 
 
-def test_whole_drafter_compile_with_static_shapes_compiles_once(tmp_path, monkeypatch):
-    """runtime.compile=model,loss + data.blocks_per_row: batches of different lengths and anchor counts
-    (and an epoch's short last batch) all run through the first compiled graph — no recompile."""
+def _tiny_online_run(tmp_path, monkeypatch, *overrides: str) -> tuple[object, list[float]]:
+    """A 2-layer b8 drafter trained online on CUDA against a tiny bf16 target, its drafter compiled at static
+    shapes (data.blocks_per_row): (result, losses)."""
     import torch._dynamo
 
     from flashdraft.config import load_config
@@ -90,7 +90,6 @@ def test_whole_drafter_compile_with_static_shapes_compiles_once(tmp_path, monkey
 
     monkeypatch.setattr(loss_mod, "_CHUNK_FN", loss_mod._ce_chunk)  # compile_loss() state ends with the test
     monkeypatch.setattr(loss_mod, "_FUSED_CHUNK_FN", loss_mod._ce_chunk_fused)
-    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
     torch._dynamo.reset()
     t = tiny_target("llama", dtype=torch.bfloat16, hidden=64)
     t.model.to("cuda")
@@ -98,12 +97,22 @@ def test_whole_drafter_compile_with_static_shapes_compiles_once(tmp_path, monkey
     cfg = load_config(TrainConfig, None, [
         f"run_dir={tmp_path / 'run'}", "model.num_layers=2", "model.block_size=8", "data.max_length=320",
         "data.token_budget=640", "data.max_anchors=32", "data.blocks_per_row=48", "data.dataset=<in-memory>",
-        "optim.max_steps=8", "optim.lr=3e-3", "runtime.device=cuda", "runtime.compile=model,loss",
-        "loss.chunk_tokens=256", "telemetry.log_every=1", "telemetry.tensorboard=false", "telemetry.progress=false",
-        "pipeline.queue_depth=0",
+        "optim.lr=3e-3", "runtime.device=cuda", "loss.chunk_tokens=256", "telemetry.log_every=1",
+        "telemetry.tensorboard=false", "telemetry.progress=false", *overrides,
     ])  # fmt: skip
     result = train(cfg, target=t, samples=docs)
-    losses = [m["loss"] for m in read_metrics(tmp_path / "run")]
+    return result, [m["loss"] for m in read_metrics(tmp_path / "run")]
+
+
+def test_whole_drafter_compile_with_static_shapes_compiles_once(tmp_path, monkeypatch):
+    """runtime.compile=model,loss + data.blocks_per_row: batches of different lengths and anchor counts
+    (and an epoch's short last batch) all run through the first compiled graph — no recompile."""
+    import torch._dynamo
+
+    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
+    result, losses = _tiny_online_run(
+        tmp_path, monkeypatch, "optim.max_steps=8", "runtime.compile=model,loss", "pipeline.queue_depth=0"
+    )
     assert result.steps == 8 and result.epoch >= 1  # crossed an epoch boundary (a short last batch)
     assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
 
@@ -113,29 +122,13 @@ def test_online_training_with_the_native_pass_and_a_compiled_drafter(tmp_path, m
     """runtime.feature_pass=native with a compiled drafter at the default queue depth: the pass runs in the
     trainer's thread (pipeline.inline_reason). With a producer thread this stopped in the first steps on an H100
     (2026-12-06): a compiled call in one thread while the other compiles raises in dynamo."""
-    import torch._dynamo
-
-    from flashdraft.config import load_config
-    from flashdraft.train import loss as loss_mod
-    from flashdraft.train.config import TrainConfig
-    from flashdraft.train.launch import train
-    from flashdraft.train.metrics import read_metrics
-
-    monkeypatch.setattr(loss_mod, "_CHUNK_FN", loss_mod._ce_chunk)
-    monkeypatch.setattr(loss_mod, "_FUSED_CHUNK_FN", loss_mod._ce_chunk_fused)
-    torch._dynamo.reset()
-    t = tiny_target("llama", dtype=torch.bfloat16, hidden=64)
-    t.model.to("cuda")
-    docs = make_docs([150, 90, 200, 120, 60, 170, 110, 80, 140], seed=0)
-    cfg = load_config(TrainConfig, None, [
-        f"run_dir={tmp_path / 'run'}", "model.num_layers=2", "model.block_size=8", "data.max_length=320",
-        "data.token_budget=640", "data.max_anchors=32", "data.blocks_per_row=48", "data.dataset=<in-memory>",
-        "optim.max_steps=6", "optim.lr=3e-3", "runtime.device=cuda", f"runtime.compile={compile_parts}",
-        "runtime.feature_pass=native", "loss.chunk_tokens=256", "telemetry.log_every=1",
-        "telemetry.tensorboard=false", "telemetry.progress=false",
-    ])  # fmt: skip
-    result = train(cfg, target=t, samples=docs)
-    losses = [m["loss"] for m in read_metrics(tmp_path / "run")]
+    result, losses = _tiny_online_run(
+        tmp_path,
+        monkeypatch,
+        "optim.max_steps=6",
+        f"runtime.compile={compile_parts}",
+        "runtime.feature_pass=native",
+    )
     assert result.steps == 6 and all(math.isfinite(x) for x in losses)
 
 
