@@ -301,3 +301,10 @@ def test_the_native_feature_pass_is_asked_for_and_compiled(capsys: pytest.Captur
     cfg = load_config(TrainConfig, train["config"], train["overrides"])
     cfg.validate()
     assert cfg.runtime.feature_pass == "native" and cfg.runtime.compile_parts == {"model", "loss", "target"}
+
+
+def test_every_earlier_stints_data_is_merged(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--stint", "3", "--prev-data", "/p/s1", "--prev-data", "/p/s2", "--work", "/w", "--dry-run"]
+    assert cs.main(argv) == 0
+    merge = _parse(json.loads(capsys.readouterr().out)["merge"])
+    assert merge["inputs"] == ["/p/s1", "/p/s2", "/w/new"] and merge["out"] == "/w/data"

@@ -139,11 +139,11 @@ def regen_args(a: argparse.Namespace, plan: StintPlan, out: Path, minutes: float
     return args
 
 
-def merge_args(a: argparse.Namespace, prev: Path, new: Path, out: Path) -> list[str]:
+def merge_args(a: argparse.Namespace, prev: list[Path], new: Path, out: Path) -> list[str]:
     return [
         "data",
         "merge",
-        str(prev),
+        *map(str, prev),
         str(new),
         "--out",
         str(out),
@@ -261,8 +261,8 @@ class Stint:
     def merge(self) -> None:
         if "merge" in self.state["done"]:
             return
-        new, prev = self.work / "new", Path(self.a.prev_data) if self.a.prev_data else None
-        if prev is None:
+        new, prev = self.work / "new", [Path(p) for p in self.a.prev_data]
+        if not prev:
             shutil.copytree(new, self.data, dirs_exist_ok=False)
         elif self.run("merge", merge_args(self.a, prev, new, self.data), 5.0) != 0:
             raise StintError("data merge failed: see stint.log")
@@ -415,7 +415,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--init-from", default="models/smollm2-135m-instruct-dflash-b16", help="the last shipped weights"
     )
-    p.add_argument("--prev-data", default=None, help="the cumulative dataset of earlier stints (carried)")
+    p.add_argument(
+        "--prev-data",
+        action="append",
+        default=[],
+        help="an earlier stint's dataset, merged in (carried; repeatable)",
+    )
     p.add_argument("--data", default=None, help="train on this dataset instead of regen + merge")
     p.add_argument(
         "--input", action="append", default=None, help="training prompts (default: the staged ShareGPT)"
@@ -470,7 +475,7 @@ def commands(a: argparse.Namespace, budget: Budget) -> dict[str, Any]:
     if "regen" in phases and not a.data:
         out["regen"] = regen_args(a, stint_plan(a), work / "new", budget.regen)
     if "merge" in phases and not a.data and a.prev_data:
-        out["merge"] = merge_args(a, Path(a.prev_data), work / "new", data)
+        out["merge"] = merge_args(a, [Path(p) for p in a.prev_data], work / "new", data)
     if "train" in phases:
         out["train"] = train_args(a, data, work / "train-1", a.init_from, budget.train)
     if "eval" in phases and budget.eval > 0:
