@@ -308,3 +308,61 @@ def test_every_earlier_stints_data_is_merged(capsys: pytest.CaptureFixture[str])
     assert cs.main(argv) == 0
     merge = _parse(json.loads(capsys.readouterr().out)["merge"])
     assert merge["inputs"] == ["/p/s1", "/p/s2", "/w/new"] and merge["out"] == "/w/data"
+
+
+def test_a_native_feature_pass_that_fails_before_a_checkpoint_trains_again_with_hf(tmp_path: Path) -> None:
+    argv = [
+        "--stint",
+        "5",
+        "--work",
+        str(tmp_path),
+        "--out",
+        str(tmp_path / "out"),
+        "--feature-pass",
+        "native",
+    ]
+    st = cs.Stint(cs.parse_args(argv))
+    (tmp_path / "out").mkdir()
+    ran: list[list[str]] = []
+    st.run = lambda phase, args, timeout_min: ran.append(args) or (1 if len(ran) == 1 else 0)  # type: ignore[method-assign]
+    st.train(6.0)
+    passes = [load_config(TrainConfig, _parse(r)["config"], _parse(r)["overrides"]).runtime for r in ran]
+    assert [(p.feature_pass, p.compile_parts) for p in passes] == [
+        ("native", {"model", "loss", "target"}),
+        ("hf", {"model", "loss"}),
+    ]
+    assert st.state["train_runs"] == ["train-1", "train-2"]
+    assert "again with hf" in (tmp_path / "out" / "stint.log").read_text()
+
+
+def test_a_run_that_checkpointed_or_used_hf_is_not_repeated(tmp_path: Path) -> None:
+    for feature_pass, checkpointed in (("hf", False), ("native", True)):
+        work = tmp_path / feature_pass
+        (work / "out").mkdir(parents=True)
+        st = cs.Stint(cs.parse_args(["--stint", "5", "--work", str(work), "--out", str(work / "out"),
+                                     "--feature-pass", feature_pass]))  # fmt: skip
+        if checkpointed:
+            (work / "train-1" / "checkpoints" / "step-00000200").mkdir(parents=True)
+        ran: list[list[str]] = []
+        st.run = lambda phase, args, timeout_min, ran=ran: ran.append(args) or 1  # type: ignore[method-assign]
+        st.train(6.0)
+        assert len(ran) == 1
+
+
+def test_regeneration_out_of_gpu_memory_goes_on_with_half_the_batch_tokens(tmp_path: Path) -> None:
+    st = cs.Stint(cs.parse_args(["--stint", "5", "--work", str(tmp_path), "--out", str(tmp_path / "out")]))
+    (tmp_path / "out").mkdir()
+    ran: list[list[str]] = []
+
+    def run(phase: str, args: list[str], timeout_min: float) -> int:
+        ran.append(args)
+        if len(ran) == 1:
+            st.log.write_text("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 39.38 GiB\n")
+            return 1
+        _manifest(tmp_path / "new", 10, 1000)
+        return 0
+
+    st.run = run  # type: ignore[method-assign]
+    st.regen(4.0)
+    assert [_parse(r)["max_batch_tokens"] for r in ran] == [2_500_000, 1_250_000]
+    assert _parse(ran[1])["time_limit"] <= 4.0 and "regen" in st.state["done"]

@@ -245,6 +245,15 @@ class Stint:
         m[phase] = round(m.get(phase, 0.0) + (time.perf_counter() - t) / 60, 3)
         return rc
 
+    def log_tail(self, chars: int = 4000) -> str:
+        return self.log.read_text(errors="replace")[-chars:] if self.log.is_file() else ""
+
+    def note(self, text: str) -> None:
+        """A line in stint.log and on stdout: what the stint decided on its own."""
+        with self.log.open("a") as f:
+            f.write(f"[campaign_stint: {text}]\n")
+        print(f"campaign_stint: {text}", flush=True)
+
     @property
     def data(self) -> Path:
         return self.work / "data"
@@ -253,7 +262,16 @@ class Stint:
         new = self.work / "new"
         if "regen" in self.state["done"]:
             return
+        t = time.perf_counter()
         rc = self.run("regen", regen_args(self.a, stint_plan(self.a), new, minutes), minutes + 2.5)
+        left = minutes - (time.perf_counter() - t) / 60
+        if rc != 0 and "OutOfMemoryError" in self.log_tail() and left >= 1.0:
+            # the finished shards are kept (new.partial/) and resumed: only the batch layout changes
+            self.note(
+                f"regeneration ran out of GPU memory; again with --max-batch-tokens {self.a.max_batch_tokens // 2}"
+            )
+            half = argparse.Namespace(**{**vars(self.a), "max_batch_tokens": self.a.max_batch_tokens // 2})
+            rc = self.run("regen", regen_args(half, stint_plan(self.a), new, round(left, 2)), left + 2.5)
         if rc != 0 or not (new / "manifest.json").is_file():
             raise StintError(f"regeneration failed (exit {rc}): see stint.log")
         self.state["done"].append("regen")
@@ -281,7 +299,23 @@ class Stint:
         runs.append(run.name)
         self.save_state()
         # the trainer stops itself at its time limit; the timeout is only a guard (checkpoints every 200 steps)
-        self.run("train", train_args(self.a, data, run, init, minutes, refs), minutes + 0.5)
+        t = time.perf_counter()
+        rc = self.run("train", train_args(self.a, data, run, init, minutes, refs), minutes + 0.5)
+        left = minutes - (time.perf_counter() - t) / 60
+        if (
+            rc != 0
+            and self.a.feature_pass == "native"
+            and not list(run.glob("checkpoints/step-*"))
+            and left >= 2.0
+        ):
+            self.note(
+                "training with the native feature pass failed before its first checkpoint; again with hf"
+            )
+            hf = argparse.Namespace(**{**vars(self.a), "feature_pass": "hf"})
+            run = self.work / f"train-{len(runs) + 1}"
+            runs.append(run.name)
+            self.save_state()
+            self.run("train", train_args(hf, data, run, init, round(left, 2), refs), left + 0.5)
 
     def evaluate(self, minutes: float, drafter: Path) -> None:
         sets = eval_sets(self.a)
