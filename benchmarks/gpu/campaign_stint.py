@@ -12,7 +12,10 @@ folder, $WORK/stint-K, survives between back-to-back calls): the first regenerat
 merges and trains; the next ones train further (each call's training is one LR schedule, warm-up included, from
 the previous call's last weights: `runtime.fit_steps_to_time_limit` fits a schedule to the minutes a call has);
 the last also evaluates. Training takes every minute the other phases leave (--budget-min minus regen, eval and
-the minute kept for shipping). Before stage.sh: `benchmarks/gpu/README.md`.
+the minute kept for shipping). Before stage.sh: `benchmarks/gpu/README.md`. Two failures are recovered from in
+the same call, with the minutes left: a regeneration out of GPU memory goes on with half --max-batch-tokens (its
+finished shards resumed), and a training run with --feature-pass native that fails before its first checkpoint
+runs again with transformers' pass.
 
 Fresh data each stint (`plan_for`): the stint index picks the sampling seed, the temperature and how many user
 turns of each ShareGPT conversation are answered, so sample ids (`…@T0.9s103`) never repeat an earlier
