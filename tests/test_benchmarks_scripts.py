@@ -370,3 +370,23 @@ def test_forward_speed_stale_rows_probe_catches_a_phase_reading_stale_rows(
 
     monkeypatch.setattr(engine.native, "forward", leaky)
     assert bench.stale_rows_probe(engine, 3) == {"ar_step": True, "verify_chain": False, "verify_tree": False}
+
+
+def test_call6_fast_paths_times_the_forward_and_benches_auto(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out, stage = tmp_path / "gpu" / "out", tmp_path / "gpu" / "stage"
+    calls = run_script(tmp_path, "call6_fast_paths.sh", TAU_REPORT="r.json")
+    assert calls[0][0] == "benchmarks/gpu/forward_speed.py"
+    ns = parse_script(calls[0], monkeypatch)
+    assert (ns.prompts, ns.max_new_tokens, ns.budget, str(ns.out)) == (
+        3,
+        128,
+        32,
+        str(out / "forward_speed.json"),
+    )
+    bench = parse_cli(calls[1][2:])
+    assert calls[1][:3] == [*FD, "bench"] and bench["methods"].split(",")[:3] == ["ar", "auto", "chain"]
+    assert (bench["device"], bench["dtype"], bench["max_new_tokens"]) == ("cuda", "bfloat16", 256)
+    assert bench["tau_report"] == "r.json" and bench["dataset"] == f"humaneval:{stage}/HumanEval.jsonl.gz"
+    assert bench["out"] == str(out / "bench")
