@@ -93,9 +93,11 @@ class QueuedSource:
         source_device: torch.device | str | None = None,  # where `inner` makes features (the target's device)
         starve_threshold: float = 0.05,
         starve_window: int = 50,  # micro-batches
+        inline_why: str | None = None,  # depth 0 by necessity, not by choice: why (`inline_reason`)
     ) -> None:
         self.inner = inner
         self.depth = int(depth)
+        self.inline_why = inline_why
         self.device = torch.device(device) if device is not None else None
         self.source_device = torch.device(source_device) if source_device is not None else None
         self.starve_threshold, self.starve_window = starve_threshold, starve_window
@@ -277,6 +279,10 @@ class QueuedSource:
         made = tokens / produce_s if produce_s > 0 else math.inf
         taken = tokens / busy_s if busy_s > 0 else math.inf
         rates = f"the producer makes {made:,.0f} target tokens/s, the trainer takes {taken:,.0f}"
+        if self.depth == 0 and self.inline_why:
+            return (
+                f"{rates}; the target pass is part of every step, in the trainer's thread: {self.inline_why}"
+            )
         if self.depth == 0:
             return f"{rates}; pipeline.queue_depth=0 runs the producer inline: set pipeline.queue_depth > 0"
         if made < taken:
@@ -413,6 +419,6 @@ def build_source(
         depth = 0
     return QueuedSource(
         inner, depth=depth, device=device, starve_threshold=p.starve_threshold,
-        starve_window=p.starve_window,
+        starve_window=p.starve_window, inline_why=why if depth == 0 else None,
         source_device=torch.device("cpu") if p.mode == "offline" else torch.device(target.device),
     )  # fmt: skip

@@ -246,7 +246,13 @@ def test_build_source_drops_the_thread_when_inline_reason_says_so(target, monkey
     lengths = [len(d.input_ids) for d in DOCS]
     for reason, depth in ((None, cfg.pipeline.queue_depth), ("a reason", 0)):
         monkeypatch.setattr(pipeline, "inline_reason", lambda fp, dev, r=reason: r)
-        assert pipeline.build_source(cfg, DOCS, lengths, target, [1, 3], torch.device("cpu")).depth == depth
+        source = pipeline.build_source(cfg, DOCS, lengths, target, [1, 3], torch.device("cpu"))
+        assert source.depth == depth and source.inline_why == reason
+    # its starvation warning names the reason instead of asking for a queue
+    source._window.extend(_Pull(wait_s=0.5, cycle_s=1.0, tokens=100, produce_s=0.5) for _ in range(5))
+    assert source.bottleneck().endswith(
+        "; the target pass is part of every step, in the trainer's thread: a reason"
+    )
     assert cfg.pipeline.queue_depth > 0
     assert (
         "the target runs in the trainer's thread (queue_depth 0, not 4): a reason" in capsys.readouterr().err
