@@ -42,6 +42,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: random_targets, decode_speed
 
+from phase_timing import median_ms  # noqa: E402  (beside this file)
+
 from flashdraft.decode.engine import FastEngine  # noqa: E402
 from flashdraft.drafter import DFlashDrafter  # noqa: E402
 from flashdraft.target import TargetModel, drafter_config_for, load_target  # noqa: E402
@@ -85,29 +87,15 @@ def sync(device: str) -> None:
 def time_phase(engine: FastEngine, key: tuple[Any, ...], reps: int) -> float:
     """Median ms of one run of a captured phase (graph replay on CUDA, eager call on CPU) at the engine's
     current state, restored before every run (the AR phase advances it)."""
-    phase = engine._phases[key]
     seq_len, bonus = engine.seq_len.clone(), engine.bonus.clone()
-    cuda = engine.device.type == "cuda"
-    times = []
-    for i in range(reps + 3):
+
+    def restore() -> None:
         engine.seq_len.copy_(seq_len)
         engine.bonus.copy_(bonus)
-        if cuda:
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            phase()
-            b.record()
-            b.synchronize()
-            ms = a.elapsed_time(b)
-        else:
-            t0 = time.perf_counter()
-            phase()
-            ms = (time.perf_counter() - t0) * 1e3
-        if i >= 3:
-            times.append(ms)
-    engine.seq_len.copy_(seq_len)
-    engine.bonus.copy_(bonus)
-    return statistics.median(times)
+
+    ms = median_ms(engine._phases[key], reps, warmup=3, cuda=engine.device.type == "cuda", before=restore)
+    restore()
+    return ms
 
 
 def count_kernels(engine: FastEngine, key: tuple[Any, ...]) -> int:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -32,6 +31,8 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from phase_timing import median_ms  # noqa: E402  (beside this file)
 
 from flashdraft.decode.engine import TREE_COMPILE_LIMIT, DeviceTree, FastEngine, draft_top, write_tree_inputs  # noqa: E402
 
@@ -86,26 +87,6 @@ def build_engines(args: argparse.Namespace, variants: list[str]) -> dict[str, Fa
     }
 
 
-def time_phase(phase: Any, replays: int, cuda: bool) -> float:
-    """Median ms of one run: a graph replay on CUDA, an eager call on CPU."""
-    for _ in range(10):
-        phase()
-    times = []
-    for _ in range(replays):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            phase()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            phase()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
 def count_kernels(fn: Any) -> int:
     """Kernels (and memsets / copies) one eager run of the phase function launches: what its graph replays."""
     from torch.profiler import ProfilerActivity, profile
@@ -153,7 +134,7 @@ def measure(
             print(f"budget {budget} {name}: {row[f'{name}_error'][:400]}", flush=True)
             continue
         row[f"{name}_setup_s"] = time.perf_counter() - t0
-        row[f"{name}_ms"] = time_phase(phase, args.replays, cuda)
+        row[f"{name}_ms"] = median_ms(phase, args.replays, warmup=10, cuda=cuda)
         if cuda:
             row[f"{name}_kernels"] = count_kernels(fn)
         got = outputs(eng, budget)
