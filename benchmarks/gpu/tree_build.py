@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # phase_timing, however this file is loaded
 
 from phase_timing import median_ms  # noqa: E402  (beside this file)
 
