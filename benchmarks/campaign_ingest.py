@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from flashdraft.eval.frozen import read_frozen_records
-from flashdraft.files import atomic_folder, atomic_write_text
+from flashdraft.files import atomic_folder, atomic_write_text, file_sha256
 
 REPO = Path(__file__).resolve().parents[1]
 MODELS = REPO / "models" / "smollm2-135m-instruct-dflash-b16"
@@ -66,11 +66,7 @@ def say(step: str, msg: str) -> None:
 
 
 def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+    return file_sha256(path)
 
 
 # ----------------------------------------------------------------------------- 1. unpack
@@ -248,31 +244,64 @@ def yardstick(
         say("yardstick", f"{f.stem}: done in {(time.perf_counter() - t) / 60:.1f} min, {out / 'report.md'}")
 
 
-def adopt_reports(files: list[Path], name: str | None, unpacked: Path, models: Path) -> None:
+def adopt_reports(
+    files: list[Path], name: str | None, unpacked: Path, models: Path, evaluated: set[str] = frozenset()
+) -> None:
     """Yardstick reports made elsewhere (`flashdraft eval --references benchmarks/yardstick/FILE` on a GPU, float32,
-    the shipped drafter first) kept as this stint's, in UNPACKED/yardstick/STEM/: `name` is the stint's drafter in
-    them (a report may hold several stints' drafters, each paired with the shipped one)."""
+    T = 0, the shipped drafter first) kept as this stint's, in UNPACKED/yardstick/STEM/: `name` is the stint's drafter
+    in them (a report may hold several stints' drafters, each paired with the shipped one). Where the report names
+    the weights it scored (`weights_sha256`), they must be this stint's and the shipped ones; a report without them
+    is kept as unverified, which no promotion accepts."""
+    if bool(files) != bool(name):
+        raise IngestError(
+            "--report and --report-drafter go together: the reports, and the stint's drafter in them"
+        )
+    if not files:
+        return
+    drafter_sha, shipped_sha = (
+        sha256(unpacked / "drafter" / "model.safetensors"),
+        sha256(models / "model.safetensors"),
+    )
     for f in files:
         try:
             r = json.loads(f.read_text())
         except (OSError, json.JSONDecodeError) as e:
             raise IngestError(f"--report {f}: not a readable report.json ({e})") from None
-        drafters = list((r.get("drafters") or {}) if isinstance(r, dict) else {})
-        source = str(((r.get("references") or {}).get("source")) or "") if isinstance(r, dict) else ""
+        drafters = (r.get("drafters") or {}) if isinstance(r, dict) else {}
+        source = str(((r.get("references") or {}).get("source")) or "") if drafters else ""
         if not drafters or not source.startswith("frozen:"):
             raise IngestError(
                 f"--report {f}: not an eval report on a frozen yardstick (references.source {source!r})"
             )
-        if drafters[0] != models.name:
-            raise IngestError(
-                f"--report {f}: its first drafter is {drafters[0]!r}, not the shipped {models.name!r}"
-            )
-        if name not in drafters[1:]:
-            raise IngestError(f"--report {f}: --report-drafter {name!r} is not one of {drafters[1:]}")
         stem = Path(source.removeprefix("frozen:")).stem
+        if stem in evaluated:
+            raise IngestError(f"--report {f}: {stem} is also given by --yardstick; pick one")
+        frozen = REPO / "benchmarks" / "yardstick" / f"{stem}.jsonl"
+        want = {"dtype": "float32", "temperature": 0.0}
+        if frozen.is_file():
+            want["max_new_tokens"] = read_frozen_records(frozen, limit=1)[0]["max_new_tokens"]
+        got = {k: r.get(k) for k in want}
+        if got != want:
+            raise IngestError(f"--report {f}: made with {got}, the yardstick is scored with {want}")
+        first, *rest = drafters
+        if first != models.name:
+            raise IngestError(
+                f"--report {f}: its first drafter is {first!r}, not the shipped {models.name!r}"
+            )
+        if name not in rest:
+            raise IngestError(f"--report {f}: --report-drafter {name!r} is not one of {rest}")
+        for who, entry, sha in (
+            ("shipped", drafters[first], shipped_sha),
+            (name, drafters[name], drafter_sha),
+        ):
+            if entry.get("weights_sha256") not in (None, sha):
+                raise IngestError(
+                    f"--report {f}: its {who} drafter's weights are not {'this stint' if who == name else 'the shipped'}'s (sha256 {entry['weights_sha256'][:12]}…, here {sha[:12]}…)"
+                )
+        verified = all(drafters[k].get("weights_sha256") for k in (first, name))
         out = unpacked / "yardstick" / stem
-        key = {"report": str(f), "report_sha256": sha256(f), "drafter": name,
-               "baseline_sha256": sha256(models / "model.safetensors")}  # fmt: skip
+        key = {"report": str(f), "report_sha256": sha256(f), "drafter": name, "baseline_sha256": shipped_sha,
+               "weights_verified": verified}  # fmt: skip
         mark = out / "ingest.json"
         if mark.is_file() and json.loads(mark.read_text()) == key:
             say("yardstick", f"{stem}: already adopted from {f}")
@@ -283,7 +312,8 @@ def adopt_reports(files: list[Path], name: str | None, unpacked: Path, models: P
             if (f.parent / part).is_file():
                 atomic_write_text(out / part, (f.parent / part).read_text())
         atomic_write_text(mark, json.dumps(key, indent=1) + "\n")
-        say("yardstick", f"{stem}: adopted {f} (drafter {name!r} beside {drafters[0]!r})")
+        how = "weights checked" if verified else "weights not named in the report: unverified, never promoted"
+        say("yardstick", f"{stem}: adopted {f} (drafter {name!r} beside {first!r}; {how})")
 
 
 def _taus(d: dict[str, Any]) -> dict[str, Any]:
@@ -305,7 +335,7 @@ def yardstick_summary(unpacked: Path) -> dict[str, Any]:
         paired = (d.get("paired") or {}).get("methods") or {}
         out[rep.parent.name] = {
             "prompts": d["samples"], "new": _taus(d), "shipped": _taus(b), "baseline": base, "drafter": new,
-            "baseline_sha256": key["baseline_sha256"],
+            "baseline_sha256": key["baseline_sha256"], "verified": key.get("weights_verified", True),
             "paired": {m: {k: round(v, 4) if isinstance(v, float) else v for k, v in p.items()} for m, p in paired.items()},
         }  # fmt: skip
     return out
@@ -385,6 +415,8 @@ def promote_decision(line: dict[str, Any]) -> tuple[bool, str]:
         return False, (f"stint {line['stint']} has no {GATE} yardstick result: run with --yardstick "
                        f"benchmarks/yardstick/{GATE}-100.jsonl")  # fmt: skip
     name = gates[0]
+    if not line["yardstick"][name].get("verified", True):
+        return False, f"{name}: an adopted report that names no weights: evaluate again with this flashdraft"
     c = line["yardstick"][name]["paired"].get("chain") or {}
     if c.get("se") is None:
         return False, f"{name}: no paired chain τ over two or more prompts (n={c.get('n', 0)})"
@@ -558,8 +590,8 @@ def main(
         stint = read_stint(a.folder)
         k = stint["stint"]
         unpacked = unpack(a.folder, stint, a.data, a.overwrite)
-        yardstick(a.yardstick, unpacked, a.models, a, run_eval)
-        adopt_reports(a.report, a.report_drafter, unpacked, a.models)
+        adopt_reports(a.report, a.report_drafter, unpacked, a.models, {f.stem for f in a.yardstick})
+        yardstick(a.yardstick, unpacked, a.models, a, run_eval)  # (after: a clash with --report stops it first)
         write_results(small_files(unpacked), a.results / f"stint-{k}", a.overwrite)
         stints = a.results / "stints.jsonl"
         rows = upsert(stints, stint_line(unpacked))

@@ -484,9 +484,9 @@ def _gpu_report(tmp: Path, verdicts: dict[str, str]) -> Path:
                           "paired": {"baseline": "models", "methods": {"chain": chain}}}  # fmt: skip
     f = tmp / "gpu" / "sharegpt-heldout-100" / "report.json"
     f.parent.mkdir(parents=True)
-    f.write_text(
-        json.dumps({"references": {"source": "frozen:sharegpt-heldout-100.jsonl"}, "drafters": drafters})
-    )
+    head = {"dtype": "float32", "temperature": 0.0, "max_new_tokens": 256}
+    source = {"source": "frozen:sharegpt-heldout-100.jsonl"}
+    f.write_text(json.dumps({**head, "references": source, "drafters": drafters}))
     (f.parent / "report.md").write_text("three drafters\n")
     return f
 
@@ -499,7 +499,8 @@ def test_a_gpu_report_is_adopted_for_the_named_drafter(
     argv = _argv(tmp_path, call, "--report", str(rep), "--report-drafter", "stint-1-drafter")
     assert ci.main(argv, run_eval=_no_eval) == 0
     out = capsys.readouterr().out
-    assert "adopted" in out and "not promoted: sharegpt-heldout-100: chain Δτ -0.500" in out
+    assert "adopted" in out and "unverified, never promoted" in out
+    assert "not promoted: sharegpt-heldout-100: an adopted report that names no weights" in out
     y = json.loads((tmp_path / "results" / "stints.jsonl").read_text())["yardstick"]["sharegpt-heldout-100"]
     assert (
         y["drafter"] == "stint-1-drafter"
@@ -527,6 +528,11 @@ def test_a_gpu_report_is_adopted_for_the_named_drafter(
         ),
         (lambda r: r.update(references={"source": "humaneval"}), "not an eval report on a frozen yardstick"),
         (lambda r: r["drafters"].pop("stint-1-drafter"), "--report-drafter 'stint-1-drafter' is not one of"),
+        (lambda r: r.update(dtype="bfloat16"), "the yardstick is scored with {'dtype': 'float32'"),
+        (
+            lambda r: r["drafters"]["stint-1-drafter"].update(weights_sha256="ab" * 32),
+            "its stint-1-drafter drafter's weights are not this stint's",
+        ),
     ],
 )
 def test_a_report_that_cannot_be_adopted_is_a_one_line_error(
@@ -559,3 +565,47 @@ def test_a_bad_stints_line_is_one_error_naming_it_in_ingest_and_the_curve(
     with pytest.raises(SystemExit, match=f"{stints}:2: not JSON"):
         ci.plot_module().main([str(stints), "--out", str(tmp_path / "c.png")])
     assert ci.plot_module().read_rows(tmp_path / "none.jsonl") == []  # no file yet: no stints
+
+
+def test_an_adopted_report_naming_the_right_weights_can_promote(
+    call: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _models(tmp_path)
+    rep = _gpu_report(tmp_path, {"old": "worse", "new": "better"})
+    assert ci.main(_argv(tmp_path, call), run_eval=_no_eval) == 0  # unpacked: its drafter's weights to name
+    sha = lambda p: hashlib.sha256(p.read_bytes()).hexdigest()  # noqa: E731
+    r = json.loads(rep.read_text())
+    r["drafters"]["models"]["weights_sha256"] = sha(tmp_path / "models" / "model.safetensors")
+    r["drafters"]["new"]["weights_sha256"] = sha(
+        tmp_path / "data" / "stint-2" / "drafter" / "model.safetensors"
+    )
+    rep.write_text(json.dumps(r))
+    capsys.readouterr()
+    assert (
+        ci.main(_argv(tmp_path, call, "--report", str(rep), "--report-drafter", "new"), run_eval=_no_eval)
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "weights checked" in out and "would export" in out  # better, verified: --promote would ship it
+
+
+@pytest.mark.parametrize(
+    ("more", "message"),
+    [
+        (["--report-drafter", "new"], "--report and --report-drafter go together"),
+        (["--report", "REP"], "--report and --report-drafter go together"),
+        (
+            ["--report", "REP", "--report-drafter", "new", "--yardstick", "YS"],
+            "also given by --yardstick; pick one",
+        ),
+    ],
+)
+def test_report_flags_that_do_not_fit_are_one_line_errors(
+    call: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], more: list[str], message: str
+) -> None:
+    _models(tmp_path)
+    rep, ys = _gpu_report(tmp_path, {"new": "better"}), _yardstick(tmp_path)
+    argv = _argv(tmp_path, call, *[str(rep) if x == "REP" else str(ys) if x == "YS" else x for x in more])
+    assert ci.main(argv, run_eval=_no_eval) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1

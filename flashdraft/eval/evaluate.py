@@ -36,6 +36,7 @@ from flashdraft.eval.references import (
     default_ref_batch,
 )
 from flashdraft.eval.replay import Method, methods_for
+from flashdraft.files import file_sha256
 from flashdraft.target import TargetModel, check_pair, target_fingerprint
 
 
@@ -114,6 +115,9 @@ class DrafterReport:
     per_sample: list[dict[str, Any]] = field(default_factory=list)  # {"id", "tokens", "tau": {method: τ}}
     target_layer_ids: list[int] = field(default_factory=list)  # the target layers whose features it reads
     paired: PairedComparison | None = None  # per-prompt Δτ vs the report's first drafter (None: the first)
+    weights_sha256: str | None = (
+        None  # of the drafter's model.safetensors, naming the weights the report scored
+    )
 
 
 @dataclass
@@ -204,8 +208,17 @@ def summarize(
         per_sample=[
             {"id": r.id, "tokens": r.reference_tokens, "tau": {k: v.tau for k, v in r.methods.items()}} for r in ran
         ],
-        target_layer_ids=list(drafter.target_layer_ids),
+        target_layer_ids=list(drafter.target_layer_ids), weights_sha256=weights_sha256(path),
     )  # fmt: skip
+
+
+def weights_sha256(path: str) -> str | None:
+    """The sha256 of the weights file a drafter folder (or a checkpoint's drafter/) holds; None when there is none
+    (a run folder, an in-memory drafter)."""
+    for f in (Path(path) / "model.safetensors", Path(path) / "drafter" / "model.safetensors"):
+        if path and f.is_file():
+            return file_sha256(f)
+    return None
 
 
 def _checked_item(

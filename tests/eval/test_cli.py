@@ -3,6 +3,7 @@ drafters, bad pairs rejected with the one-line error."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -39,6 +40,9 @@ def test_eval_side_by_side_writes_reports(setup: dict[str, Path]) -> None:
     assert r.exit_code == 0, r.output
     rep = json.loads((out / "report.json").read_text())
     assert set(rep["drafters"]) == {"d1", "d2"}
+    for name in ("d1", "d2"):  # which weights were scored: a report adopted elsewhere is checked against them
+        want = hashlib.sha256((setup["root"] / name / "model.safetensors").read_bytes()).hexdigest()
+        assert rep["drafters"][name]["weights_sha256"] == want
     assert rep["methods"] == ["chain", "ddtree-2", "ddtree-4", "ddtree-8", "topk-2", "topk-4"]
     assert rep["max_new_tokens"] == 12 and rep["template"].startswith("token ids")
     assert rep["references"]["source"] == "local-batched"  # the default on CPU (--ref-batch 16)
