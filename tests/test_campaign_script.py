@@ -311,23 +311,18 @@ def test_every_earlier_stints_data_is_merged(capsys: pytest.CaptureFixture[str])
 
 
 def test_a_native_feature_pass_that_fails_before_a_checkpoint_trains_again_with_hf(tmp_path: Path) -> None:
-    argv = [
-        "--stint",
-        "5",
-        "--work",
-        str(tmp_path),
-        "--out",
-        str(tmp_path / "out"),
-        "--feature-pass",
-        "native",
-    ]
+    argv = ["--stint", "5", "--work", str(tmp_path), "--out", str(tmp_path / "out"), "--feature-pass", "native",
+            "--train-extra", "runtime.compile=model,loss,target", "runtime.feature_pass=native", "optim.lr=1e-4"]  # fmt: skip
     st = cs.Stint(cs.parse_args(argv))
     (tmp_path / "out").mkdir()
     ran: list[list[str]] = []
     st.run = lambda phase, args, timeout_min: ran.append(args) or (1 if len(ran) == 1 else 0)  # type: ignore[method-assign]
     st.train(6.0)
-    passes = [load_config(TrainConfig, _parse(r)["config"], _parse(r)["overrides"]).runtime for r in ran]
-    assert [(p.feature_pass, p.compile_parts) for p in passes] == [
+    cfgs = [load_config(TrainConfig, _parse(r)["config"], _parse(r)["overrides"]) for r in ran]
+    assert (
+        cfgs[1].optim.lr == 1e-4
+    )  # the other extras stay; the pass and compile ones go with the native pass
+    assert [(c.runtime.feature_pass, c.runtime.compile_parts) for c in cfgs] == [
         ("native", {"model", "loss", "target"}),
         ("hf", {"model", "loss"}),
     ]
@@ -366,3 +361,65 @@ def test_regeneration_out_of_gpu_memory_goes_on_with_half_the_batch_tokens(tmp_p
     st.regen(4.0)
     assert [_parse(r)["max_batch_tokens"] for r in ran] == [2_500_000, 1_250_000]
     assert _parse(ran[1])["time_limit"] <= 4.0 and "regen" in st.state["done"]
+
+
+@pytest.mark.parametrize(
+    ("earlier", "this_run", "retried"),
+    [
+        ("", "RuntimeError: CUDA error: out of memory\n", True),  # cuBLAS / graph replay wording
+        ("torch.OutOfMemoryError: an earlier call\n", "ValueError: bad input\n", False),  # not this run's
+    ],
+)
+def test_only_this_regeneration_s_out_of_memory_is_retried(
+    tmp_path: Path, earlier: str, this_run: str, retried: bool
+) -> None:
+    st = cs.Stint(cs.parse_args(["--stint", "5", "--work", str(tmp_path), "--out", str(tmp_path / "out")]))
+    (tmp_path / "out").mkdir()
+    st.log.write_text(earlier)
+    ran: list[list[str]] = []
+
+    def run(phase: str, args: list[str], timeout_min: float) -> int:
+        ran.append(args)
+        if len(ran) == 1:
+            with st.log.open("a") as f:
+                f.write(this_run)
+            return 1
+        _manifest(tmp_path / "new", 10, 1000)
+        return 0
+
+    st.run = run  # type: ignore[method-assign]
+    if retried:
+        st.regen(4.0)
+    else:
+        with pytest.raises(cs.StintError, match="regeneration failed"):
+            st.regen(4.0)
+    assert len(ran) == (2 if retried else 1)
+
+
+def test_a_failed_phase_s_minutes_are_saved_and_reported(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    he = tmp_path / "HumanEval.jsonl.gz"
+    he.write_bytes(b"")
+    work, out = tmp_path / "w", tmp_path / "out"
+
+    def run(self, phase: str, args: list[str], timeout_min: float) -> int:  # noqa: ANN001
+        self.state["minutes"][phase] = 3.05
+        return 1
+
+    monkeypatch.setattr(cs.Stint, "run", run)
+    argv = [
+        "--stint",
+        "5",
+        "--work",
+        str(work),
+        "--out",
+        str(out),
+        "--humaneval",
+        str(he),
+        "--phases",
+        "regen",
+    ]
+    assert cs.main(argv) == 2
+    assert json.loads((work / "state.json").read_text())["minutes"]["regen"] == 3.05
+    assert json.loads((out / "stint.json").read_text())["gpu_minutes"] == 3.05

@@ -248,8 +248,16 @@ class Stint:
         m[phase] = round(m.get(phase, 0.0) + (time.perf_counter() - t) / 60, 3)
         return rc
 
-    def log_tail(self, chars: int = 4000) -> str:
-        return self.log.read_text(errors="replace")[-chars:] if self.log.is_file() else ""
+    def log_size(self) -> int:
+        return self.log.stat().st_size if self.log.is_file() else 0
+
+    def log_since(self, offset: int) -> str:
+        """stint.log from byte `offset` on: one command's output."""
+        if not self.log.is_file():
+            return ""
+        with self.log.open("rb") as f:
+            f.seek(offset)
+            return f.read().decode(errors="replace")
 
     def note(self, text: str) -> None:
         """A line in stint.log and on stdout: what the stint decided on its own."""
@@ -265,10 +273,10 @@ class Stint:
         new = self.work / "new"
         if "regen" in self.state["done"]:
             return
-        t = time.perf_counter()
+        t, start = time.perf_counter(), self.log_size()
         rc = self.run("regen", regen_args(self.a, stint_plan(self.a), new, minutes), minutes + 2.5)
         left = minutes - (time.perf_counter() - t) / 60
-        if rc != 0 and "OutOfMemoryError" in self.log_tail() and left >= 1.0:
+        if rc != 0 and "out of memory" in self.log_since(start).lower() and left >= 1.0:
             # the finished shards are kept (new.partial/) and resumed: only the batch layout changes
             self.note(
                 f"regeneration ran out of GPU memory; again with --max-batch-tokens {self.a.max_batch_tokens // 2}"
@@ -292,10 +300,12 @@ class Stint:
     def train(self, minutes: float) -> None:
         runs = self.state["train_runs"]
         init, refs = self.a.init_from, None
-        if runs:  # a later call: the previous call's last weights and validation references
-            last = sorted((self.work / runs[-1] / "checkpoints").glob("step-*"))
-            init = str(last[-1] / "drafter") if last else init
-            saved = self.work / runs[-1] / "val_references.jsonl"
+        ck = (
+            self.last_checkpoint()
+        )  # a later call: the newest weights of any earlier run (a failed run has none)
+        if ck is not None:
+            init = str(ck / "drafter")
+            saved = ck.parent.parent / "val_references.jsonl"
             refs = str(saved) if saved.is_file() else None
         data = Path(self.a.data) if self.a.data else self.data
         run = self.work / f"train-{len(runs) + 1}"
@@ -314,7 +324,12 @@ class Stint:
             self.note(
                 "training with the native feature pass failed before its first checkpoint; again with hf"
             )
-            hf = argparse.Namespace(**{**vars(self.a), "feature_pass": "hf"})
+            extra = [
+                x
+                for x in self.a.train_extra
+                if not x.startswith(("runtime.feature_pass=", "runtime.compile="))
+            ]
+            hf = argparse.Namespace(**{**vars(self.a), "feature_pass": "hf", "train_extra": extra})
             run = self.work / f"train-{len(runs) + 1}"
             runs.append(run.name)
             self.save_state()
@@ -523,6 +538,7 @@ def commands(a: argparse.Namespace, budget: Budget) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    st: Stint | None = None
     try:
         a = parse_args(argv)
         phases = [p for p in a.phases.split(",") if p]
@@ -559,6 +575,10 @@ def main(argv: list[str] | None = None) -> int:
         st.save_state()
         return 0
     except StintError as e:
+        if st is not None and st.work.is_dir():  # a failed phase's minutes count too (stint.json, next call)
+            st.save_state()
+            st.out.mkdir(parents=True, exist_ok=True)
+            (st.out / "stint.json").write_text(json.dumps(st.summary(), indent=1) + "\n")
         print(f"campaign_stint: {e}", file=sys.stderr)
         return 2
 
