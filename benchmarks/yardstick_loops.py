@@ -29,14 +29,23 @@ def loop_share(tokens: list[int]) -> float:
 
 def split_table(report: dict, shares: dict[str, float], method: str, threshold: float) -> str:
     drafters = report["drafters"]
-    taus = {name: {s["id"]: s["tau"][method] for s in d["per_sample"]} for name, d in drafters.items()}
+    taus = {name: {s["id"]: s["tau"].get(method) for s in d["per_sample"]} for name, d in drafters.items()}
     base_name = next(iter(taus))
     base = taus[base_name]
+    if None in base.values():
+        raise ValueError(
+            f"method {method!r} is not in the report (its methods: {', '.join(report['methods'])})"
+        )
+    if set(base) - set(shares):
+        raise ValueError(
+            f"{len(set(base) - set(shares))} of the report's prompts are not in the yardstick file"
+        )
     looping = sorted(i for i in base if shares[i] >= threshold)
     other = sorted(i for i in base if shares[i] < threshold)
     rows = [
         f"{method} τ by reference: looping = at least {threshold:.0%} of its tokens repeat an earlier 8-gram "
-        f"({len(looping)} prompts), other ({len(other)}); Δ: mean per-prompt difference from {base_name}",
+        f"({len(looping)} prompts), other ({len(other)}); Δ: mean per-prompt difference from {base_name} ± its "
+        "standard error (and relative to its mean τ)",
         "",
         "| drafter | looping τ | other τ | looping Δ | other Δ |",
         "|---|---:|---:|---:|---:|",
@@ -45,12 +54,21 @@ def split_table(report: dict, shares: dict[str, float], method: str, threshold: 
     def mean(xs: list[float]) -> str:
         return f"{statistics.mean(xs):.2f}" if xs else "—"
 
+    def delta(xs: list[float], base_taus: list[float]) -> str:
+        """mean ± standard error, and relative to the base's mean τ"""
+        if len(xs) < 2:
+            return "—"
+        se = statistics.stdev(xs) / len(xs) ** 0.5
+        return (
+            f"{statistics.mean(xs):+.2f} ± {se:.2f} ({statistics.mean(xs) / statistics.mean(base_taus):+.0%})"
+        )
+
     for name, t in taus.items():
         d_loop = [t[i] - base[i] for i in looping] if name != base_name else []
         d_other = [t[i] - base[i] for i in other] if name != base_name else []
         rows.append(
             f"| {name} | {mean([t[i] for i in looping])} | {mean([t[i] for i in other])} | "
-            f"{mean(d_loop) if d_loop else '—'} | {mean(d_other) if d_other else '—'} |"
+            f"{delta(d_loop, [base[i] for i in looping])} | {delta(d_other, [base[i] for i in other])} |"
         )
     return "\n".join(rows)
 
@@ -68,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         shares = {r["id"]: loop_share(r["tokens"]) for r in records}
         print(split_table(report, shares, a.method, a.threshold))
     except (OSError, ValueError, KeyError) as e:
-        print(f"yardstick_loops: {e}", file=sys.stderr)
+        print(f"yardstick_loops: {a.report} / {a.yardstick}: {e}", file=sys.stderr)
         return 2
     return 0
 

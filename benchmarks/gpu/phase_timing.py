@@ -18,6 +18,8 @@ def median_ms(
 ) -> float:
     """Median milliseconds of `run()` over `reps` timed runs after `warmup` untimed ones; `before()` (untimed)
     precedes every run. On CUDA each run sits between two events and is waited for."""
+    if reps < 1:
+        raise ValueError(f"reps {reps}: time at least one run")
     times = []
     for i in range(warmup + reps):
         if before is not None:

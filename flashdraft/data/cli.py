@@ -41,7 +41,7 @@ def register(app: typer.Typer) -> None:
         ),
         limit: int | None = typer.Option(None, help="use only the first N conversations"),
         skip: int = typer.Option(
-            0, min=0, help="pass over the first N conversations (a later slice; with --limit: N+1..N+limit)"
+            0, min=0, help="pass over the inputs' first N conversations as read (before dedup): a later slice"
         ),
         shard_size: int = typer.Option(512, help="conversations per resumable shard"),
         split_turns: bool = typer.Option(False, "--split-turns", help="one sample per answered user turn"),

@@ -76,7 +76,7 @@ class RegenConfig:
     top_p: float = 1.0
     thinking: bool | None = None  # None: the template's default
     limit: int | None = None  # conversations, after dedup
-    skip: int = 0  # conversations passed over first (after dedup, before `limit`): a later slice
+    skip: int = 0  # the inputs' first conversations passed over (as read, before dedup): a later slice
     shard_size: int = 512  # conversations per resumable shard
     max_length: int = 3072  # tokens per sample (paper recipe)
     block_size: int = 16  # samples keep >= 2·block_size loss tokens
@@ -136,7 +136,7 @@ def first_user_turns(c: Conversation, n: int) -> Conversation:
 
 def collect_conversations(cfg: RegenConfig) -> tuple[list[Conversation], Counter[str], SourceStats]:
     """Every input's conversations (cut to `max_turns` user turns), prompt-duplicates removed, ids made
-    unique, the first `skip` passed over, `limit` applied."""
+    unique, `limit` applied; the first `skip` conversations read are passed over before any of that."""
     stats = SourceStats(max_bad_fraction=cfg.max_bad_fraction)
     drops: Counter[str] = Counter()
     seen: set[str] = set()
@@ -145,6 +145,11 @@ def collect_conversations(cfg: RegenConfig) -> tuple[list[Conversation], Counter
     skipped = 0
     for spec in cfg.inputs:
         for c in iter_conversations(spec, stats):
+            if (
+                skipped < cfg.skip
+            ):  # the inputs' first conversations as read, whatever --max-turns and dedup do
+                skipped += 1
+                continue
             if cfg.max_turns is not None:
                 c = first_user_turns(c, cfg.max_turns)
             key = conversation_key(c)
@@ -152,9 +157,6 @@ def collect_conversations(cfg: RegenConfig) -> tuple[list[Conversation], Counter
                 drops["duplicate_prompt"] += 1
                 continue
             seen.add(key)
-            if skipped < cfg.skip:
-                skipped += 1
-                continue
             cid = f"{c.source}/{c.id}"
             while cid in ids:  # two sources or a user file may reuse an id
                 cid += "+"

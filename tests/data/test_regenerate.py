@@ -342,8 +342,8 @@ def test_max_turns_answers_only_the_first_user_turns(tmp_path, target):
 
 
 def test_skip_answers_a_later_slice_of_the_conversations(tmp_path, target):
-    """--skip 4 --limit 3: the 5th to 7th distinct conversations (the duplicate of q1 is not counted), each
-    answered as in the full run; skip is in the resume fingerprint."""
+    """--skip 4 --limit 3: conversations q4..q6 of the input as read, each answered as in the full run; skip is
+    in the resume fingerprint. Skipped conversations do not count as seen: a later duplicate of one is kept."""
     cfg, tpl, params = _setup(tmp_path, "full")
     regenerate(cfg, tpl, LocalGenerator(target, params, batch_size=8))
     cfg2, _, _ = _setup(tmp_path, "slice", skip=4, limit=3)
@@ -353,6 +353,8 @@ def test_skip_answers_a_later_slice_of_the_conversations(tmp_path, target):
     assert all(part[k][:3] == full[k][:3] for k in part)
     assert res.manifest["conversations"] == 3
     assert cfg2.fingerprint(tpl)["skip"] == 4 and "skip" not in cfg.fingerprint(tpl)
+    cfg3, _, _ = _setup(tmp_path, "tail", skip=10)  # only "dup" (q1's prompts) is left, and q1 was skipped
+    assert regenerate(cfg3, tpl, LocalGenerator(target, params, batch_size=8)).manifest["conversations"] == 1
 
 
 def test_max_turns_is_part_of_the_resume_fingerprint(tmp_path, target):
