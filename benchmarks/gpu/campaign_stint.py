@@ -491,7 +491,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--max-batch-tokens", type=int, default=2_500_000,
         help="regeneration's rows x (max length + new tokens) per batch: a KV cache of ~23 KB a token for "
-        "SmolLM2-135M in bf16 (rows are capped at 512: 39 GiB)",
+        "SmolLM2-135M in bf16. 512 rows x 3,584 = 1.8M tokens (39 GiB) fit under 2.5M; an out-of-memory "
+        "retry halves it",
     )  # fmt: skip
     p.add_argument("--val-every", type=int, default=1000, help="trainer validation interval (eval.every)")
     p.add_argument(
