@@ -118,7 +118,9 @@ def test_whole_drafter_compile_with_static_shapes_compiles_once(tmp_path, monkey
 
 
 @pytest.mark.parametrize("compile_parts", ["model,loss", "model,loss,target"])
-def test_online_training_with_the_native_pass_and_a_compiled_drafter(tmp_path, monkeypatch, compile_parts):
+def test_online_training_with_the_native_pass_and_a_compiled_drafter(
+    tmp_path, monkeypatch, capsys, compile_parts
+):
     """runtime.feature_pass=native with a compiled drafter at the default queue depth: the pass runs in the
     trainer's thread (pipeline.inline_reason). With a producer thread this stopped in the first steps on an H100
     (2026-12-06): a compiled call in one thread while the other compiles raises in dynamo."""
@@ -130,6 +132,7 @@ def test_online_training_with_the_native_pass_and_a_compiled_drafter(tmp_path, m
         "runtime.feature_pass=native",
     )
     assert result.steps == 6 and all(math.isfinite(x) for x in losses)
+    assert "the target runs in the trainer's thread" in capsys.readouterr().err  # no producer thread
 
 
 def test_compiled_fused_ce_matches_reference_in_bf16_on_cuda(monkeypatch):
