@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import importlib.util
 import json
 import os
 import shutil
@@ -40,6 +39,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the scripts beside this one
+import plot_learning_curve  # noqa: E402  (benchmarks/plot_learning_curve.py: the curve and the stints reader)
 
 from flashdraft.eval.frozen import read_frozen_records
 from flashdraft.files import atomic_folder, atomic_write_text, file_sha256
@@ -388,7 +390,7 @@ def stint_line(unpacked: Path) -> dict[str, Any]:
 def read_lines(path: Path) -> list[dict[str, Any]]:
     """stints.jsonl's rows through the learning curve's reader; a bad line is an IngestError naming it."""
     try:
-        return plot_module().read_rows(path)
+        return plot_learning_curve.read_rows(path)
     except ValueError as e:
         raise IngestError(str(e)) from None
 
@@ -531,21 +533,9 @@ def write_card(models: Path, rows: list[dict[str, Any]]) -> None:
 # ----------------------------------------------------------------------------- 6. curve
 
 
-def plot_module() -> Any:
-    """benchmarks/plot_learning_curve.py (a script beside this one, not a package module)."""
-    if "plot_learning_curve" not in sys.modules:
-        path = Path(__file__).with_name("plot_learning_curve.py")
-        spec = importlib.util.spec_from_file_location("plot_learning_curve", path)
-        module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-        sys.modules["plot_learning_curve"] = module  # dataclasses look their module up while it executes
-        spec.loader.exec_module(module)  # type: ignore[union-attr]
-    return sys.modules["plot_learning_curve"]
-
-
 def redraw_curve(stints: Path, png: Path) -> None:
-    plc = plot_module()
-    points = plc.curve(plc.read_rows(stints))
-    plc.plot(points, png)
+    points = plot_learning_curve.curve(plot_learning_curve.read_rows(stints))
+    plot_learning_curve.plot(points, png)
     say("curve", f"{png}: {len(points)} stints")
 
 
@@ -591,7 +581,9 @@ def main(
         k = stint["stint"]
         unpacked = unpack(a.folder, stint, a.data, a.overwrite)
         adopt_reports(a.report, a.report_drafter, unpacked, a.models, {f.stem for f in a.yardstick})
-        yardstick(a.yardstick, unpacked, a.models, a, run_eval)  # (after: a clash with --report stops it first)
+        yardstick(
+            a.yardstick, unpacked, a.models, a, run_eval
+        )  # (after: a clash with --report stops it first)
         write_results(small_files(unpacked), a.results / f"stint-{k}", a.overwrite)
         stints = a.results / "stints.jsonl"
         rows = upsert(stints, stint_line(unpacked))

@@ -14,22 +14,13 @@ benchmarks/campaign_ingest.py) ran beside it. The row replaces an earlier stint-
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import sys
 from pathlib import Path
 from typing import Any
 
-
-def ingest_module() -> Any:
-    """benchmarks/campaign_ingest.py (a script beside this one): its stints.jsonl reader and upsert."""
-    if "campaign_ingest" not in sys.modules:
-        path = Path(__file__).with_name("campaign_ingest.py")
-        spec = importlib.util.spec_from_file_location("campaign_ingest", path)
-        module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-        sys.modules["campaign_ingest"] = module  # dataclasses look their module up while it executes
-        spec.loader.exec_module(module)  # type: ignore[union-attr]
-    return sys.modules["campaign_ingest"]
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the scripts beside this one
+import campaign_ingest as ci  # noqa: E402  (benchmarks/campaign_ingest.py: its stints.jsonl reader and upsert)
 
 
 def start_row(
@@ -57,7 +48,6 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--card", required=True)
     ap.add_argument("--date", required=True)
     a = ap.parse_args(argv)
-    ci = ingest_module()
     row = start_row(ci.read_lines(a.stints), a.train_minutes, a.manifest, a.card, a.date)
     ci.upsert(a.stints, row)  # replaces an earlier stint-0 line; lines in stint order
     print(f"{a.stints}: stint 0 = {row['train_minutes']} min, {row['new']['loss_tokens']:,} loss tokens, "

@@ -350,7 +350,7 @@ def test_campaign_section_is_added_when_the_card_has_none() -> None:
 
 
 def test_learning_curve_plots_the_yardstick_tau() -> None:
-    plc = ci.plot_module()
+    plc = ci.plot_learning_curve
     row = {"stint": 1, "train_minutes": 9.0, "cumulative": {"loss_tokens": 5},
            "eval": {"humaneval": {"chain_tau": 3.0, "ddtree_tau": 5.0}},
            "yardstick": {"sharegpt-heldout-100": {"new": {"chain_tau": 4.1, "ddtree_tau": 6.2}}}}  # fmt: skip
@@ -359,7 +359,7 @@ def test_learning_curve_plots_the_yardstick_tau() -> None:
 
 
 def test_learning_curve_adds_up_minutes_and_regenerated_tokens_in_stint_order() -> None:
-    plc = ci.plot_module()
+    plc = ci.plot_learning_curve
     rows = [{"stint": 1, "train_minutes": 7.5, "new": {"loss_tokens": 7}, "cumulative": {"loss_tokens": 7}},
             {"stint": 0, "train_minutes": 36.0, "new": {"loss_tokens": 35}}]  # fmt: skip
     points = plc.curve(rows)
@@ -563,8 +563,8 @@ def test_a_bad_stints_line_is_one_error_naming_it_in_ingest_and_the_curve(
     assert ci.main(_argv(tmp_path, call), run_eval=_no_eval) == 2
     assert f"{stints}:2: not JSON" in capsys.readouterr().err
     with pytest.raises(SystemExit, match=f"{stints}:2: not JSON"):
-        ci.plot_module().main([str(stints), "--out", str(tmp_path / "c.png")])
-    assert ci.plot_module().read_rows(tmp_path / "none.jsonl") == []  # no file yet: no stints
+        ci.plot_learning_curve.main([str(stints), "--out", str(tmp_path / "c.png")])
+    assert ci.plot_learning_curve.read_rows(tmp_path / "none.jsonl") == []  # no file yet: no stints
 
 
 def test_an_adopted_report_naming_the_right_weights_can_promote(
