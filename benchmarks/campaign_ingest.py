@@ -67,10 +67,6 @@ def say(step: str, msg: str) -> None:
     print(f"[{step}] {msg}", flush=True)
 
 
-def sha256(path: Path) -> str:
-    return file_sha256(path)
-
-
 # ----------------------------------------------------------------------------- 1. unpack
 
 
@@ -199,7 +195,7 @@ def shipped_now(unpacked: Path, models: Path) -> bool:
     return (
         mark.is_file()
         and weights.is_file()
-        and json.loads(mark.read_text())["models_sha256"] == sha256(weights)
+        and json.loads(mark.read_text())["models_sha256"] == file_sha256(weights)
     )
 
 
@@ -216,8 +212,8 @@ def yardstick(
                 )
         out = unpacked / "yardstick" / f.stem
         args = eval_args(f, models, drafter, out, a.target, a.limit, a.threads)
-        key = {"args": args, "yardstick_sha256": sha256(f), "baseline_sha256": sha256(models / "model.safetensors"),
-               "drafter_sha256": sha256(drafter / "model.safetensors")}  # fmt: skip
+        key = {"args": args, "yardstick_sha256": file_sha256(f), "baseline_sha256": file_sha256(models / "model.safetensors"),
+               "drafter_sha256": file_sha256(drafter / "model.safetensors")}  # fmt: skip
         mark = out / "ingest.json"
         old = json.loads(mark.read_text()) if mark.is_file() and (out / "report.json").is_file() else None
         if old == key:
@@ -261,8 +257,8 @@ def adopt_reports(
     if not files:
         return
     drafter_sha, shipped_sha = (
-        sha256(unpacked / "drafter" / "model.safetensors"),
-        sha256(models / "model.safetensors"),
+        file_sha256(unpacked / "drafter" / "model.safetensors"),
+        file_sha256(models / "model.safetensors"),
     )
     for f in files:
         try:
@@ -302,7 +298,7 @@ def adopt_reports(
                 )
         verified = all(drafters[k].get("weights_sha256") for k in (first, name))
         out = unpacked / "yardstick" / stem
-        key = {"report": str(f), "report_sha256": sha256(f), "drafter": name, "baseline_sha256": shipped_sha,
+        key = {"report": str(f), "report_sha256": file_sha256(f), "drafter": name, "baseline_sha256": shipped_sha,
                "weights_verified": verified}  # fmt: skip
         mark = out / "ingest.json"
         if mark.is_file() and json.loads(mark.read_text()) == key:
@@ -493,7 +489,7 @@ def promote(line: dict[str, Any], unpacked: Path, a: argparse.Namespace, export:
         return True
     ok, why = promote_decision(line)
     gate = next((v for k, v in sorted((line.get("yardstick") or {}).items()) if k.startswith(GATE)), None)
-    if ok and gate is not None and gate["baseline_sha256"] != sha256(models / "model.safetensors"):
+    if ok and gate is not None and gate["baseline_sha256"] != file_sha256(models / "model.safetensors"):
         ok, why = False, f"{why}; but it was compared with another shipped drafter: pass --yardstick again"
     if not ok:
         say("promote", f"not promoted: {why}")
@@ -512,7 +508,7 @@ def promote(line: dict[str, Any], unpacked: Path, a: argparse.Namespace, export:
     export(unpacked / "drafter", models, a.target)
     atomic_write_text(card, text)  # the export wrote its own README: the card comes back, its section below
     mark = {"date": time.strftime("%Y-%m-%d", time.gmtime()), "models": str(models),
-            "models_sha256": sha256(models / "model.safetensors")}  # fmt: skip
+            "models_sha256": file_sha256(models / "model.safetensors")}  # fmt: skip
     atomic_write_text(unpacked / "promoted.json", json.dumps(mark, indent=1) + "\n")
     say("promote", f"exported {unpacked / 'drafter'} over {models} ({why})")
     return True

@@ -17,6 +17,7 @@ import torch
 
 from flashdraft.drafter import DFlashDrafter
 from flashdraft.eval.frozen import FROZEN_FORMAT
+from flashdraft.files import file_sha256
 from flashdraft.serve.export import export_drafter
 from tests.conftest import tiny_drafter, tiny_target
 from tests.serve.test_export import tiny_tokenizer
@@ -368,8 +369,8 @@ def test_learning_curve_adds_up_minutes_and_regenerated_tokens_in_stint_order() 
 
 def test_sha256_of_the_weights_names_the_shipped_drafter(tmp_path: Path) -> None:
     f = tmp_path / "w"
-    f.write_bytes(b"x" * 3_000_000)
-    assert ci.sha256(f) == hashlib.sha256(f.read_bytes()).hexdigest()
+    f.write_bytes(b"x" * 3_000_000)  # more than one 1 MiB block
+    assert file_sha256(f) == hashlib.sha256(f.read_bytes()).hexdigest()
 
 
 def test_a_file_the_stint_did_not_write_is_not_replaced(
