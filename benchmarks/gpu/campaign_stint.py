@@ -75,9 +75,8 @@ class StintPlan:
     temperature: float
     seed: int
     max_turns: int  # user turns answered per conversation (1: first turns; more: later turns too)
-    skip: int = (
-        0  # conversations passed over first: a later slice (e.g. past those the shipped data answered)
-    )
+    # the inputs' first conversations passed over: a later slice (e.g. past those the shipped data answered)
+    skip: int = 0
 
 
 def plan_for(stint: int) -> StintPlan:
@@ -300,9 +299,8 @@ class Stint:
     def train(self, minutes: float) -> None:
         runs = self.state["train_runs"]
         init, refs = self.a.init_from, None
-        ck = (
-            self.last_checkpoint()
-        )  # a later call: the newest weights of any earlier run (a failed run has none)
+        # a later call: the newest weights of any earlier run (a failed run has none)
+        ck = self.last_checkpoint()
         if ck is not None:
             init = str(ck / "drafter")
             saved = ck.parent.parent / "val_references.jsonl"
@@ -393,6 +391,11 @@ class Stint:
             "val": val, "eval": evals,
         }  # fmt: skip
 
+    def write_summary(self) -> None:
+        """The state (for a later call) and stint.json (in --out) as they stand now."""
+        self.save_state()
+        (self.out / "stint.json").write_text(json.dumps(self.summary(), indent=1) + "\n")
+
     def ship(self) -> None:
         """stint.json and bundle.tar's parts into --out, replacing the ones an earlier phase of this call wrote."""
         t = time.perf_counter()
@@ -419,8 +422,7 @@ class Stint:
         self.state["minutes"]["ship"] = round(
             self.state["minutes"].get("ship", 0.0) + (time.perf_counter() - t) / 60, 3
         )
-        self.save_state()
-        (self.out / "stint.json").write_text(json.dumps(self.summary(), indent=1) + "\n")
+        self.write_summary()
         if members:
             tar = self.work / "bundle.tar"
             with tarfile.open(tar, "w") as tf:
@@ -577,9 +579,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except StintError as e:
         if st is not None and st.work.is_dir():  # a failed phase's minutes count too (stint.json, next call)
-            st.save_state()
             st.out.mkdir(parents=True, exist_ok=True)
-            (st.out / "stint.json").write_text(json.dumps(st.summary(), indent=1) + "\n")
+            st.write_summary()
         print(f"campaign_stint: {e}", file=sys.stderr)
         return 2
 
