@@ -115,9 +115,8 @@ class DrafterReport:
     per_sample: list[dict[str, Any]] = field(default_factory=list)  # {"id", "tokens", "tau": {method: τ}}
     target_layer_ids: list[int] = field(default_factory=list)  # the target layers whose features it reads
     paired: PairedComparison | None = None  # per-prompt Δτ vs the report's first drafter (None: the first)
-    weights_sha256: str | None = (
-        None  # of the drafter's model.safetensors, naming the weights the report scored
-    )
+    # of the drafter's model.safetensors: which weights the report scored (None: no such file at its path)
+    weights_sha256: str | None = None
 
 
 @dataclass
@@ -215,8 +214,10 @@ def summarize(
 def weights_sha256(path: str) -> str | None:
     """The sha256 of the weights file a drafter folder (or a checkpoint's drafter/) holds; None when there is none
     (a run folder, an in-memory drafter)."""
+    if not path:
+        return None
     for f in (Path(path) / "model.safetensors", Path(path) / "drafter" / "model.safetensors"):
-        if path and f.is_file():
+        if f.is_file():
             return file_sha256(f)
     return None
 
