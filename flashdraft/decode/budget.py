@@ -75,7 +75,8 @@ def prior_tau(choice: Choice) -> float:
 
 
 def tau_from_report(path: str | Path, drafter: str | None = None) -> dict[str, float]:
-    """τ per method label from a `flashdraft eval` report.json (the named drafter, else the only one)."""
+    """τ per method label from a `flashdraft eval` report.json: the entry of `drafter` (a name in the report,
+    or a drafter folder, matched by its weights' sha256, then by its folder name), else the only one."""
     p = Path(path)
     if p.is_dir():
         p = p / "report.json"
@@ -84,19 +85,38 @@ def tau_from_report(path: str | Path, drafter: str | None = None) -> dict[str, f
         drafters = rep["drafters"]
     except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
         raise ValueError(f"{p}: not a flashdraft eval report.json ({e})") from None
+    name = report_entry(drafters, drafter, p)
+    out: dict[str, float] = {}
+    for method, m in drafters[name]["methods"].items():
+        if method == "chain":
+            out["chain"] = float(m["tau"])
+        elif method.startswith("ddtree-"):
+            out[f"ddtree:{int(method[7:])}"] = float(m["tau"])
+    return out
+
+
+def report_entry(drafters: dict[str, Any], drafter: str | None, p: Path) -> str:
+    """Which of a report's drafters `drafter` is (see tau_from_report); a one-line error when none is."""
     if drafter is None:
         if len(drafters) != 1:
             raise ValueError(f"{p} has drafters {sorted(drafters)}: name one")
-        drafter = next(iter(drafters))
-    if drafter not in drafters:
-        raise ValueError(f"{p}: no drafter {drafter!r} (has {sorted(drafters)})")
-    out: dict[str, float] = {}
-    for name, m in drafters[drafter]["methods"].items():
-        if name == "chain":
-            out["chain"] = float(m["tau"])
-        elif name.startswith("ddtree-"):
-            out[f"ddtree:{int(name[7:])}"] = float(m["tau"])
-    return out
+        return next(iter(drafters))
+    if drafter in drafters:
+        return drafter
+    folder = Path(drafter)
+    weights = next((f for f in (folder / "model.safetensors", folder / "drafter" / "model.safetensors")
+                    if f.is_file()), None)  # fmt: skip
+    if weights is not None:
+        from flashdraft.files import file_sha256
+
+        sha = file_sha256(weights)
+        same = [k for k, v in drafters.items() if isinstance(v, dict) and v.get("weights_sha256") == sha]
+        if same:
+            return same[0]
+    by_name = [k for k in drafters if k == folder.name]
+    if len(drafters) == 1 or by_name:
+        return by_name[0] if by_name else next(iter(drafters))
+    raise ValueError(f"{p}: no drafter {drafter!r} (has {sorted(drafters)})")
 
 
 # ----------------------------------------------------------------------------- calibration

@@ -154,7 +154,10 @@ def register(app: typer.Typer) -> None:
             from flashdraft.decode.budget import auto_policy
 
             fast = run_generate.__module__ == "flashdraft.decode.engine"
-            policy = auto_policy(t, d, run_generate, engine="fast" if fast else "reference", tau_report=tau_report)
+            policy = auto_policy(
+                t, d, run_generate, engine="fast" if fast else "reference", tau_report=tau_report,
+                report_drafter=str(resolve_drafter_path(drafter)) if drafter else None,
+            )  # fmt: skip
         res = run_generate(
             t, d, ids, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
             method=method, budget=n_budget, stop_token_ids=stop, seed=seed, policy=policy,

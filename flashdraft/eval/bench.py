@@ -9,7 +9,9 @@ table and JSON (docs/method.md §11.5: speedup and τ are always reported togeth
 `flashdraft.decode.generate` (reference, transformers) or, when importable and asked for (the
 default on CUDA), the fast CUDA-graph engine `flashdraft.decode.engine`; a target the fast
 engine cannot run falls back to the reference one, and the report says which ran. At T=0 every
-speculative output is also compared with AR's, token for token (`identical_to_ar`).
+speculative output is also compared with AR's, token for token (`identical_to_ar`). Methods take turns
+on each prompt (after every method's untimed warm-up), so a drift of the machine during the run reaches
+all of them alike.
 Method "auto" (flashdraft/decode/budget.py) is calibrated before any timing and keeps learning from
 prompt to prompt; the report's notes say what it ran.
 """
@@ -134,42 +136,48 @@ def bench(
     if any(m == "auto" for m, _ in todo):
         from flashdraft.decode.budget import auto_policy
 
-        policy = auto_policy(target, drafter, gen, engine=engine_name, tau_report=tau_report)
-    rows: list[BenchRow] = []
-    ar_tokens: list[list[int]] | None = None
-    bar = tqdm(
-        total=len(todo) * len(prompts), desc=f"bench ({engine_name})", disable=not progress, unit="run"
-    )
+        policy = auto_policy(
+            target, drafter, gen, engine=engine_name, tau_report=tau_report, report_drafter=drafter_name or None
+        )
+    kws: dict[str, dict[str, Any]] = {}
     for method, budget in todo:
         label = method if budget is None else f"{method}:{budget}"
-        kw: dict[str, Any] = dict(
+        kws[label] = dict(
             max_new_tokens=max_new_tokens, method=method, budget=budget, temperature=temperature,
             stop_token_ids=stop, **({"policy": policy} if method == "auto" else {}),
         )  # fmt: skip
-        d = None if method == "ar" else drafter
-        for p in prompts[:warmup]:  # CUDA-graph capture, allocator warm-up: not timed
-            gen(target, d, p.input_ids, **kw, seed=seed)
-        tokens, seconds, taus, outs = 0, 0.0, [], []
-        for p in prompts:
+    drafter_of = {label: None if kw["method"] == "ar" else drafter for label, kw in kws.items()}
+    for label, kw in kws.items():  # CUDA-graph capture, allocator warm-up: not timed
+        for p in prompts[:warmup]:
+            gen(target, drafter_of[label], p.input_ids, **kw, seed=seed)
+    # prompt by prompt, every method in turn: a clock or thermal drift during the run reaches all methods alike
+    seconds = dict.fromkeys(kws, 0.0)
+    outs: dict[str, list[list[int]]] = {label: [] for label in kws}
+    taus: dict[str, list[float]] = {label: [] for label in kws}
+    bar = tqdm(
+        total=len(kws) * len(prompts), desc=f"bench ({engine_name})", disable=not progress, unit="run"
+    )
+    for p in prompts:
+        for label, kw in kws.items():
             _sync(target.device)
             t0 = time.perf_counter()
-            res = gen(target, d, p.input_ids, **kw, seed=seed)
+            res = gen(target, drafter_of[label], p.input_ids, **kw, seed=seed)
             _sync(target.device)
-            seconds += time.perf_counter() - t0
-            tokens += len(res.tokens)
-            outs.append(res.tokens)
-            if method != "ar" and res.acceptance_lengths:
-                taus.append(res.mean_acceptance)
+            seconds[label] += time.perf_counter() - t0
+            outs[label].append(res.tokens)
+            if kw["method"] != "ar" and res.acceptance_lengths:
+                taus[label].append(res.mean_acceptance)
             bar.update(1)
-        tpot = seconds / tokens * 1e3 if tokens else float("nan")
+    ar_tokens = outs.get("ar")
+    rows: list[BenchRow] = []
+    for label, kw in kws.items():
+        tokens, secs = sum(len(o) for o in outs[label]), seconds[label]
         same = None
-        if method == "ar":
-            ar_tokens = outs
-        elif ar_tokens is not None and temperature == 0:
-            same = sum(a == b for a, b in zip(ar_tokens, outs, strict=True))
-        rows.append(BenchRow(label, engine_name, len(prompts), tokens, seconds, tpot,
-                             tokens / seconds if seconds else 0.0, None,
-                             sum(taus) / len(taus) if taus else None, same))  # fmt: skip
+        if label != "ar" and ar_tokens is not None and temperature == 0:
+            same = sum(a == b for a, b in zip(ar_tokens, outs[label], strict=True))
+        rows.append(BenchRow(label, engine_name, len(prompts), tokens, secs,
+                             secs / tokens * 1e3 if tokens else float("nan"), tokens / secs if secs else 0.0, None,
+                             sum(taus[label]) / len(taus[label]) if taus[label] else None, same))  # fmt: skip
     bar.close()
     ar = next((r for r in rows if r.method == "ar"), None)
     for r in rows:

@@ -142,11 +142,33 @@ def test_tau_from_report(tmp_path) -> None:
     }
     (tmp_path / "report.json").write_text(json.dumps(rep))
     assert tau_from_report(tmp_path) == {"chain": 2.5, "ddtree:8": 3.0}
-    with pytest.raises(ValueError, match="no drafter 'x'"):
-        tau_from_report(tmp_path / "report.json", "x")
+    assert tau_from_report(tmp_path, "x") == {"chain": 2.5, "ddtree:8": 3.0}  # the only drafter
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(ValueError, match="not a flashdraft eval report"):
         tau_from_report(tmp_path / "bad.json")
+
+
+def test_tau_from_report_picks_the_drafter_that_runs(tmp_path) -> None:
+    """A report of several drafters (shipped beside a candidate): the entry is chosen by name, by the running
+    drafter folder's weights (sha256) or by its folder name; otherwise a one-line error naming them."""
+    from flashdraft.files import file_sha256
+
+    mine = tmp_path / "runs" / "drafter-bf16"
+    mine.mkdir(parents=True)
+    (mine / "model.safetensors").write_bytes(b"weights of the candidate")
+    entry = lambda tau, **kw: {"methods": {"chain": {"tau": tau}}, **kw}  # noqa: E731
+    rep = {"drafters": {"shipped": entry(2.7, weights_sha256="0" * 64),
+                        "cand": entry(3.1, weights_sha256=file_sha256(mine / "model.safetensors"))}}  # fmt: skip
+    (tmp_path / "report.json").write_text(json.dumps(rep))
+    assert tau_from_report(tmp_path, "shipped") == {"chain": 2.7}
+    assert tau_from_report(tmp_path, str(mine)) == {"chain": 3.1}  # by weights, though named otherwise
+    rep["drafters"] = {"shipped": entry(2.7), "drafter-bf16": entry(3.3)}  # an older report: no weights field
+    (tmp_path / "report.json").write_text(json.dumps(rep))
+    assert tau_from_report(tmp_path, str(mine)) == {"chain": 3.3}  # by folder name
+    with pytest.raises(ValueError, match="name one"):
+        tau_from_report(tmp_path)
+    with pytest.raises(ValueError, match="no drafter 'other'"):
+        tau_from_report(tmp_path, "other")
 
 
 def test_calibration_is_cached_per_target_and_drafter(tmp_path) -> None:
