@@ -170,7 +170,7 @@ def bench(
             bar.update(1)
     ar_tokens = outs.get("ar")
     rows: list[BenchRow] = []
-    for label, kw in kws.items():
+    for label in kws:
         tokens, secs = sum(len(o) for o in outs[label]), seconds[label]
         same = None
         if label != "ar" and ar_tokens is not None and temperature == 0:

@@ -92,7 +92,9 @@ def register(app: typer.Typer) -> None:
         max_new_tokens: int = typer.Option(256, help="reference length (published DFlash numbers use 2048)"),
         budgets: str = typer.Option("8,16,32,64,128,256,512", help="DDTree budgets (nodes, root excluded)"),
         topk: str = typer.Option("8", help="top-k streak widths (comma-separated; '' for none)"),
-        temperature: float = typer.Option(0.0, help="0 = greedy references (exact τ); > 0 = seeded samples"),
+        temperature: float = typer.Option(
+            0.0, help="0 = greedy references (exact τ); > 0 = seeded samples (batched: one seed per prompt set)"
+        ),
         seed: int = typer.Option(0, help="base seed of sampled references"),
         device: str = typer.Option("cpu", help="cpu | cuda"),
         dtype: str = typer.Option("float32", help="target and drafter dtype"),
@@ -121,8 +123,8 @@ def register(app: typer.Typer) -> None:
         ref_batch: int | None = typer.Option(
             None,
             "--ref-batch",
-            help="rows per batched greedy reference generation; 1 = exact single-sequence AR "
-            "(default: 16 on CPU, 256 on CUDA through the batched native engine)",
+            help="rows per batched reference generation; 1 = exact single-sequence AR, or at T > 0 a sample "
+            "seeded per prompt (default: 16 on CPU, 256 on CUDA through the batched native engine)",
         ),
         cache_dir: Path | None = typer.Option(
             None, help="reference cache (default ~/.cache/flashdraft/references)"

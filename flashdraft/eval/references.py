@@ -46,8 +46,8 @@ FORMAT = "flashdraft-reference/1"
 @dataclass
 class ReferenceSettings:
     max_new_tokens: int = 256
-    temperature: float = 0.0  # 0 = greedy; > 0 = a seeded sample per prompt
-    seed: int = 0  # base seed; each prompt's seed is derived from it and the prompt id
+    temperature: float = 0.0  # 0 = greedy; > 0 = a seeded sample per prompt (or per batched prompt set)
+    seed: int = 0  # base seed; a single-prompt sample's seed is derived from it and the prompt id
     stop_token_ids: list[int] | None = None  # None = the target's own stop tokens
 
     def __post_init__(self) -> None:
@@ -200,10 +200,11 @@ def _local(
 def _local_batch(
     target: Any, prompts: list[EvalPrompt], settings: ReferenceSettings, stop: list[int], engine: str = "loop"
 ) -> list[tuple[list[int], str]]:
-    """Greedy continuations of several prompts in one batch of flashdraft's own loop (`loop_generate`: a
+    """Continuations of several prompts in one batch of flashdraft's own loop (`loop_generate`: a
     left-padded prefill, then one token per step for every row; the loop that regenerates training data),
     or, with engine "native", of the batched native engine (`native_generate`: continuous batching over
-    a static cache, one CUDA graph per step on a GPU; `len(prompts)` rows).
+    a static cache, one CUDA graph per step on a GPU; `len(prompts)` rows). Greedy, or at T > 0 sampled
+    with one generator seeded by `settings.seed` for the whole batch: a row's sample depends on the batch.
 
     Like `_local`, each row keeps its stop token when hit ("stop"), else runs to max_new_tokens ("length").
     Faster on CPU than one decode per prompt, but a padded batch sums in another order than a
@@ -213,12 +214,14 @@ def _local_batch(
     """
     from flashdraft.data.generate import GenerationParams, loop_generate, native_generate
 
-    params = GenerationParams(max_new_tokens=settings.max_new_tokens, temperature=0.0, stop_ids=list(stop))
+    params = GenerationParams(
+        max_new_tokens=settings.max_new_tokens, temperature=settings.temperature, stop_ids=list(stop)
+    )
+    ids = [list(p.input_ids) for p in prompts]
     if engine == "native":
-        ids = [list(p.input_ids) for p in prompts]
-        gens = native_generate(target, ids, params, seed=0, rows=len(prompts))
-        return [(g.ids, g.finish) for g in gens]
-    gens = loop_generate(target, [list(p.input_ids) for p in prompts], params, seed=0)  # greedy: seed unused
+        gens = native_generate(target, ids, params, seed=settings.seed, rows=len(prompts))
+    else:
+        gens = loop_generate(target, ids, params, seed=settings.seed)
     return [(g.ids, g.finish) for g in gens]
 
 
@@ -275,7 +278,7 @@ def compute_references(
     server: ServerConfig | None = None,
     progress: bool = True,
     transport: Any | None = None,  # an httpx transport (tests use httpx.MockTransport)
-    batch_size: int = 1,  # > 1: greedy local references in left-padded batches (see _local_batch; not at T>0)
+    batch_size: int = 1,  # > 1: local references in batches (see _local_batch)
     fast_engine: bool | None = None,  # AR on the fast engine (None: where the target is on CUDA)
     batch_engine: str | None = None,  # batch_size > 1: "loop" | "native" (None: default_batch_engine)
     on_reference: Callable[[Reference], None] | None = None,
@@ -286,12 +289,15 @@ def compute_references(
     t0 = time.perf_counter()
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     stop = list(settings.stop_token_ids) if settings.stop_token_ids is not None else target_stop_ids(target)
-    batched = server is None and batch_size > 1 and settings.temperature == 0
+    batched = server is None and batch_size > 1
     fast = fast_engine if fast_engine is not None else torch.device(target.device).type == "cuda"
     engine = batch_engine or default_batch_engine(target)
     if engine not in BATCH_ENGINES:
         raise ValueError(f"batch engine {engine!r}: use one of {', '.join(BATCH_ENGINES)}")
     batch_source = "local-native" if engine == "native" else "local-batched"
+    if settings.temperature > 0:  # a batched sample depends on the whole prompt set: name the set in the key
+        ids = json.dumps([settings.seed, batch_size, [p.id for p in prompts]]).encode()
+        batch_source += f"-sampled:{hashlib.sha256(ids).hexdigest()[:12]}"
     local = batch_source if batched else ("local-engine" if fast else "local")
     source = f"server:{server.url}" if server is not None else local
     fp = target_fingerprint(target)
@@ -302,7 +308,9 @@ def compute_references(
 
     def make(i: int, tokens: list[int], reason: str) -> Reference:
         p = prompts[i]
-        seed = prompt_seed(settings.seed, p.id) if settings.temperature > 0 else None
+        seed = None
+        if settings.temperature > 0:
+            seed = settings.seed if batched else prompt_seed(settings.seed, p.id)
         ref = Reference(
             p.id, list(p.input_ids), tokens, p.template, source, settings.temperature, seed, reason, keys[i]
         )

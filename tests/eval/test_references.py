@@ -189,8 +189,7 @@ def test_batched_greedy_references_match_single(tmp_path, family, monkeypatch) -
 
 
 def test_batched_references_have_their_own_cache_key(tmp_path) -> None:
-    """The source is in the key: batched references never answer for exact AR ones (nor the reverse);
-    at T>0 batch_size is ignored (seeded single-prompt samples)."""
+    """The source is in the key: batched references never answer for exact AR ones (nor the reverse)."""
     target = tiny_target("llama")
     s = ReferenceSettings(max_new_tokens=6, stop_token_ids=[])
     many = compute_references(target, PROMPTS, s, cache_dir=tmp_path, progress=False, batch_size=4)
@@ -199,10 +198,34 @@ def test_batched_references_have_their_own_cache_key(tmp_path) -> None:
     assert not {r.key for r in many.references} & {r.key for r in one.references}
     again = compute_references(target, PROMPTS, s, cache_dir=tmp_path, progress=False, batch_size=4)
     assert again.cached == 3 and [r.key for r in again.references] == [r.key for r in many.references]
-    sampled = compute_references(
-        target, PROMPTS, ReferenceSettings(6, 1.0, 0, []), cache_dir=tmp_path, progress=False, batch_size=4
-    )
-    assert {r.source for r in sampled.references} == {"local"}
+
+
+def test_sampled_references_in_a_batch_are_seeded_per_prompt_set(tmp_path) -> None:
+    """At T>0 a batch samples with one generator for all its rows, so a row's sample depends on the batch:
+    the key names the prompt set and the seed. The same set and seed give the same samples; another set
+    does not reuse them; batch_size 1 keeps seeded single-prompt samples."""
+    target = tiny_target("llama")
+    s = ReferenceSettings(12, 1.0, 5, [])
+    kw = dict(progress=False, batch_size=4)
+    first = compute_references(target, PROMPTS, s, cache_dir=tmp_path / "a", **kw).references
+    again = compute_references(target, PROMPTS, s, cache_dir=tmp_path / "b", **kw).references
+    assert [r.tokens for r in first] == [r.tokens for r in again]
+    assert len({r.source for r in first}) == 1 and first[0].source.startswith("local-batched-sampled:")
+    assert {r.seed for r in first} == {5} and all(len(r.tokens) == 12 for r in first)
+    greedy = compute_references(target, PROMPTS, ReferenceSettings(12, 0.0, 5, []), cache_dir=tmp_path, **kw)
+    assert [r.tokens for r in first] != [r.tokens for r in greedy.references]
+    two = compute_references(target, PROMPTS[:2], s, cache_dir=tmp_path / "a", **kw)
+    assert two.computed == 2 and not {r.key for r in two.references} & {r.key for r in first}
+    other_seed = compute_references(target, PROMPTS, ReferenceSettings(12, 1.0, 6, []), cache_dir=tmp_path, **kw)
+    assert [r.tokens for r in other_seed.references] != [r.tokens for r in first]
+    single = compute_references(target, PROMPTS, s, cache_dir=tmp_path, progress=False, batch_size=1)
+    assert {r.source for r in single.references} == {"local"}
+    native = [
+        compute_references(target, PROMPTS, s, cache_dir=tmp_path / d, batch_engine="native", **kw).references
+        for d in ("n1", "n2")
+    ]
+    assert [r.tokens for r in native[0]] == [r.tokens for r in native[1]]
+    assert native[0][0].source.startswith("local-native-sampled:")
 
 
 def test_batched_references_cut_at_first_disagreement(tmp_path) -> None:
