@@ -51,8 +51,8 @@ def test_dry_run_commands_parse_with_the_cli(capsys: pytest.CaptureFixture[str])
     assert cmd["budget"] == {
         "regen": 3.0,
         "eval": 2.0,
-        "train": 3.5,
-    }  # training takes the rest, 1 min shipping
+        "train": 4.1,
+    }  # training takes the rest, 0.4 min shipping
     regen = _parse(cmd["regen"])
     assert regen["input"] == ["sharegpt:/st/sharegpt_compact.json.gz"] and regen["out"] == "/w/new"
     assert regen["contamination"] == [f"humaneval:{HE}"]  # the HumanEval check on, with the staged copy
@@ -69,9 +69,9 @@ def test_dry_run_commands_parse_with_the_cli(capsys: pytest.CaptureFixture[str])
     train = _parse(cmd["train"])
     cfg = load_config(TrainConfig, train["config"], train["overrides"])
     cfg.validate()
-    assert cfg.runtime.feature_pass == "hf" and cfg.runtime.compile_parts == {"model", "loss"}
+    assert cfg.runtime.feature_pass == "native" and cfg.runtime.compile_parts == {"model", "loss", "target"}
     assert cfg.model.init_from == "models/smollm2-135m-instruct-dflash-b16" and cfg.data.dataset == "/w/data"
-    assert cfg.runtime.time_limit_min == 2.5 and cfg.runtime.fit_steps_to_time_limit  # 1 min start-up
+    assert cfg.runtime.time_limit_min == 3.6 and cfg.runtime.fit_steps_to_time_limit  # 0.5 min start-up
     assert cfg.eval.every == 1000 and cfg.eval.dataset == f"humaneval:{HE}"
     assert not train["resume"]
     evals = [_parse(e) for e in cmd["eval"]]
@@ -88,8 +88,8 @@ def test_a_later_call_trains_on_given_data_without_regeneration(capsys: pytest.C
     )
     cmd = json.loads(capsys.readouterr().out)
     assert (
-        set(cmd) == {"plan", "budget", "train"} and cmd["budget"]["train"] == 8.3
-    )  # 9.3 less 1 for shipping
+        set(cmd) == {"plan", "budget", "train"} and cmd["budget"]["train"] == 8.6
+    )  # 9.0 less 0.4 for shipping
     assert "data.dataset=/c/all" in cmd["train"]
     assert f"eval.dataset=humaneval:{HE}" in cmd["train"]
     args = cs.parse_args(["--stint", "4", "--val-references", "/c/refs.jsonl"])
@@ -108,19 +108,20 @@ def test_every_stint_samples_new_answers() -> None:
 @pytest.mark.parametrize(
     "spec", ["humaneval", f"humaneval:{HE}", "messages:chats.jsonl", "prompts:p.txt", "x.jsonl"]
 )
-def test_only_sharegpt_is_trained_on(spec: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_only_sharegpt_and_codeio_are_trained_on(spec: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert cs.main(["--stint", "1", "--input", spec, "--dry-run"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith(f"campaign_stint: --input {spec}:")
     assert ("eval set" in err) if spec.startswith("humaneval") else ("standard library" in err)
     assert cs.check_training_input("sharegpt") == "sharegpt"
     assert cs.check_training_input("sharegpt:/s/x.json.gz") == "sharegpt:/s/x.json.gz"
+    assert cs.check_training_input("codeio:/s/codeio.jsonl.gz") == "codeio:/s/codeio.jsonl.gz"
 
 
 def test_budget_too_small_for_training_names_the_flags() -> None:
-    assert cs.Budget.split(9.0, 3.0, 2.0) == cs.Budget(3.0, 2.0, 3.0)
+    assert cs.Budget.split(9.0, 3.0, 2.0) == cs.Budget(3.0, 2.0, 3.6)
     with pytest.raises(cs.StintError, match="lower --regen-min / --eval-min"):
-        cs.Budget.split(5.0, 3.0, 1.0)
+        cs.Budget.split(4.5, 3.0, 1.0)
 
 
 def test_init_from_a_drafter_folder_starts_from_its_weights(tmp_path: Path) -> None:
@@ -295,12 +296,12 @@ def test_temperature_and_turns_override_the_stint_plan(capsys: pytest.CaptureFix
     assert cmd["plan"] == {"temperature": 0.0, "seed": cs.plan_for(2).seed, "max_turns": 3, "skip": 10240}
 
 
-def test_the_native_feature_pass_is_asked_for_and_compiled(capsys: pytest.CaptureFixture[str]) -> None:
-    assert cs.main(["--stint", "4", "--work", "/w", "--feature-pass", "native", "--dry-run"]) == 0
+def test_the_hf_feature_pass_can_be_asked_for(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cs.main(["--stint", "4", "--work", "/w", "--feature-pass", "hf", "--dry-run"]) == 0
     train = _parse(json.loads(capsys.readouterr().out)["train"])
     cfg = load_config(TrainConfig, train["config"], train["overrides"])
     cfg.validate()
-    assert cfg.runtime.feature_pass == "native" and cfg.runtime.compile_parts == {"model", "loss", "target"}
+    assert cfg.runtime.feature_pass == "hf" and cfg.runtime.compile_parts == {"model", "loss"}
 
 
 def test_every_earlier_stints_data_is_merged(capsys: pytest.CaptureFixture[str]) -> None:
