@@ -334,7 +334,7 @@ def test_promote_exports_keeps_the_card_and_regenerates_its_section(
     row = next(x for x in card.splitlines() if x.startswith("| 2 |"))
     cells = [c.strip() for c in row.strip("|").split("|")]
     line = json.loads((tmp_path / "results" / "stints.jsonl").read_text())
-    assert line["promoted"] == cells[-1] and cells[5:11] == ["20", "100", "0.04M", "350", "0.15M", "2.50"]
+    assert line["promoted"] == cells[-1] and cells[5:11] == ["20", "100", "0.04M", "100 / 0.04M", "350 / 0.15M", "2.50"]
     assert cells[11] == "3.40 / 4.40"  # the yardstick's chain / best DDTree τ
 
     assert ci.main([*argv, "--promote"], run_eval=_fake_eval("better", ran)) == 0  # again: nothing changes
@@ -348,6 +348,14 @@ def test_campaign_section_is_added_when_the_card_has_none() -> None:
     card = ci.replace_section("# d\n\ntext\n", section)
     assert card == "# d\n\ntext\n\n" + section and ci.replace_section(card, section) == card
     assert "| 0 | — | — | 30.0 | — |" in section
+
+
+def test_campaign_section_adds_up_what_the_stints_regenerated_in_stint_order() -> None:
+    rows = [{"stint": 1, "new": {"samples": 10, "loss_tokens": 2_000_000}, "cumulative": {"samples": 15, "loss_tokens": 3_000_000}},
+            {"stint": 0, "new": {"samples": 100, "loss_tokens": 30_000_000}}]  # fmt: skip
+    lines = [x for x in ci.campaign_section(rows).splitlines() if x.startswith("| 0 ") or x.startswith("| 1 ")]
+    assert "| 100 / 30.00M | — |" in lines[0]  # stint 0 first, whatever the file's order
+    assert "| 110 / 32.00M | 15 / 3.00M |" in lines[1]
 
 
 def test_learning_curve_plots_the_yardstick_tau() -> None:
