@@ -147,6 +147,9 @@ def register(app: typer.Typer) -> None:
             f"({res.shards_skipped} resumed, {res.shards_done} in the dataset); {res.generated_tokens:,} tokens generated in {res.seconds:.1f} s "
             f"({rate:,.0f} tok/s); dropped {m['dropped']}"
         )
+        native_stats = getattr(gen, "native_stats", None)
+        if native_stats is not None and native_stats.steps:
+            typer.echo(native_stats.line())
 
     @data.command()
     def merge(

@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 from flashdraft.data.grouped import grouped_generate, grouped_support_error
 from flashdraft.data.loop import Generation, GenerationParams, cut_at_stop, loop_generate
-from flashdraft.data.native import native_generate
+from flashdraft.data.native import NativeStats, native_generate
 from flashdraft.target import TargetModel
 
 log = logging.getLogger("flashdraft.data")
@@ -81,6 +81,7 @@ class LocalGenerator:
         self.groups = (
             groups  # loop engine: batches decoded together (flashdraft/data/grouped.py); 1 = one at a time
         )
+        self.native_stats = NativeStats() if engine == "native" else None  # summed over generate() calls
 
     @property
     def follows_up(self) -> bool:
@@ -93,7 +94,7 @@ class LocalGenerator:
         if self.engine == "native":  # schedules its own rows (continuous batching)
             return native_generate(
                 self.target, prompts, self.params, seed, rows=self.batch_size, max_batch_tokens=self.max_batch_tokens,
-                on_batch=on_batch, **follow,
+                on_batch=on_batch, stats=self.native_stats, **follow,
             )  # fmt: skip
         if follow:
             raise ValueError(f"engine {self.engine!r} does not take follow-up prompts (only 'native' does)")

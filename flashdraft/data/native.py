@@ -10,8 +10,10 @@ H200, benchmarks/RESULTS.md). Greedy output equals `loop_generate`'s (tests/data
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -30,6 +32,31 @@ from flashdraft.decode.native import (
     target_qkv,
 )
 from flashdraft.target import TargetModel
+
+
+@dataclass
+class NativeStats:
+    """Where `native_generate`'s time goes, summed over calls: decode steps and how many of their rows were still
+    generating (the rest idle: finished, waiting for a refill, or empty at a shard's tail), and the eager prefills
+    that refill rows. Wall seconds; on CUDA each prefill is followed by a synchronize so it is timed alone."""
+
+    steps: int = 0
+    row_steps: int = 0  # rows × steps: the decode capacity spent
+    live_row_steps: int = 0  # of it, rows still generating: one generated token each
+    prefills: int = 0  # prefill forwards (a refill may take several: prefill_tokens per forward)
+    prefill_rows: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0  # the decode steps and the host work between them
+
+    def line(self) -> str:
+        busy = self.live_row_steps / self.row_steps if self.row_steps else 0.0
+        total = self.prefill_s + self.decode_s
+        return (
+            f"native engine: {self.steps:,} decode steps, {busy:.0%} of their rows generating; "
+            f"{self.prefills:,} prefills of {self.prefill_rows:,} rows took {self.prefill_s:.1f} s "
+            f"({self.prefill_s / total if total else 0.0:.0%}), decoding {self.decode_s:.1f} s"
+            + (f" ({self.decode_s / self.steps * 1e3:.2f} ms a step)" if self.steps else "")
+        )
 
 
 class BatchedNativeTarget:
@@ -194,7 +221,7 @@ def native_generate(
     target: TargetModel, prompts: list[list[int]], params: GenerationParams, seed: int, *, rows: int = 256,
     max_batch_tokens: int | None = None, sync_every: int = 8, prefill_tokens: int = 65536, on_batch: Any = None,
     follow_up: Callable[[int, Generation], list[int] | None] | None = None, priority: list[int] | None = None,
-    max_prompt_len: int | None = None, compile_step: bool = False,
+    max_prompt_len: int | None = None, compile_step: bool = False, stats: NativeStats | None = None,
 ) -> list[Generation]:  # fmt: skip
     """Continuous batching over a static cache (`BatchedNativeTarget`): `rows` sequences decode together;
     every `sync_every` steps the host reads which rows finished (the only host sync), collects them
@@ -204,7 +231,7 @@ def native_generate(
     to the result; `max_prompt_len` must then bound every prompt (it sizes the cache). `max_batch_tokens` caps
     the cache's tokens, rows × (max_prompt_len + max_new_tokens), at layers × 2 × kv_heads × head_dim × dtype
     bytes each; the cache is freed when the call returns. `compile_step`: the decode step through torch.compile
-    (`BatchedNativeTarget(compile=True)`).
+    (`BatchedNativeTarget(compile=True)`). `stats` (a NativeStats) adds up where the time went.
     Greedy output equals `loop_generate`'s; sampled output depends only on the prompts and the seed."""
     dev, n_new = target.device, params.max_new_tokens
     prompts = list(prompts)  # follow-ups are appended
@@ -228,7 +255,11 @@ def native_generate(
     owner = [-1] * rows  # prompt index held by each row (host)
     out: list[Generation | None] = [None] * len(prompts)
     span = 1  # host bound on max(lengths) + 1 over the rows
+    live_steps = torch.zeros((), dtype=torch.long, device=dev)  # stats: generating rows summed over steps
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     while True:
+        t0 = time.perf_counter()
+        n_prefills = 0
         free = [r for r in range(rows) if owner[r] < 0]
         if len(free) < min(refill_at, len(order)) and len(free) < rows:
             free = []  # refill in groups: a prefill is one eager forward, too slow to run for every row
@@ -243,8 +274,16 @@ def native_generate(
             tokens[slots, 0], nxt[slots], count[slots], lengths[slots] = first, first, 1, lens
             done[slots] = torch.isin(first, stop) | (n_new == 1)
             span = max(span, width + 1)
+            n_prefills += 1
+            if stats is not None:
+                stats.prefill_rows += len(chunk)
+        if stats is not None and n_prefills:
+            sync()
+            stats.prefills += n_prefills
+            stats.prefill_s += time.perf_counter() - t0
         if all(o < 0 for o in owner):
             break
+        t0 = time.perf_counter()
         for _ in range(sync_every):
             span = min(span + 1, capacity)
             new = choose_next(net.step_graphed(nxt, lengths, span), params, gen)  # [rows]
@@ -255,7 +294,13 @@ def native_generate(
             lengths += live
             nxt = torch.where(live, new, nxt)
             done |= live & (torch.isin(new, stop) | (count >= n_new))
+            if stats is not None:
+                live_steps += live.sum()
         fin = [r for r, f in enumerate(done.tolist()) if f and owner[r] >= 0]  # host sync
+        if stats is not None:
+            stats.steps += sync_every
+            stats.row_steps += sync_every * rows
+            stats.decode_s += time.perf_counter() - t0
         if fin:
             idx = torch.tensor(fin, device=dev)
             got = [row[:c] for row, c in zip(tokens[idx].tolist(), count[idx].tolist(), strict=True)]
@@ -278,6 +323,8 @@ def native_generate(
             if on_batch is not None:
                 on_batch(finished)
             span = int(lengths.max()) + 1
+    if stats is not None:
+        stats.live_row_steps += int(live_steps)
     return out  # type: ignore[return-value]
 
 

@@ -95,6 +95,26 @@ def test_native_continuous_batching_matches_unbatched_greedy(family):
     assert [g.ids for g in gen.generate(prompts, seed=0)] == ref
 
 
+def test_native_stats_count_every_row_step_and_prefill():
+    """NativeStats: each generated token after a row's first (which its prefill makes) is one generating
+    row-step; rows × steps is the capacity, so the idle share (finished rows waiting for a refill) is the rest."""
+    from flashdraft.data.native import NativeStats, native_generate
+
+    target = tiny_target("llama")
+    prompts = _prompts(97, [5, 12, 1, 9, 3, 17, 7], seed=3)
+    params = GenerationParams(max_new_tokens=10, stop_ids=[])
+    stats = NativeStats()
+    got = native_generate(target, prompts, params, seed=0, rows=3, sync_every=3, prefill_tokens=30, stats=stats)
+    assert stats.live_row_steps == sum(len(g.ids) - 1 for g in got) == 7 * 9
+    assert stats.row_steps == 3 * stats.steps and stats.steps % 3 == 0 and stats.steps >= 7 * 9 / 3
+    assert stats.prefill_rows == 7 and 3 <= stats.prefills <= 7 and stats.prefill_s > 0 and stats.decode_s > 0
+    assert "decode steps" in stats.line() and "% of their rows generating" in stats.line()
+    gen = LocalGenerator(target, params, engine="native", batch_size=3)
+    gen.generate(prompts[:2], seed=0)
+    gen.generate(prompts[2:4], seed=0)
+    assert gen.native_stats is not None and gen.native_stats.prefill_rows == 4  # summed over calls
+
+
 def test_native_sampling_is_seeded():
     from flashdraft.data.native import native_generate
 
