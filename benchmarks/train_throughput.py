@@ -30,6 +30,9 @@ runs it; then "target_s" is the time the trainer waited for features (consumer w
 the consumer wait fraction, mean queue depth and producer time per batch are reported.
 Only the trainer's stream is synchronised around the drafter step, so the producer keeps
 running underneath it.
+With `--inline-ahead` (queue depth 0) the target pass of the next batch is launched on a side stream before
+the trainer takes the current one, from the trainer's own thread (`pipeline.inline_ahead=1`, the way to overlap
+the native pass, which may not run in a producer thread on CUDA); timed the same way.
 `--feature-pass hf,native,native-compiled` runs the steps once per variant — runtime.feature_pass=hf
 (transformers' forward), =native (the packed pass of `flashdraft.train.target_pass`), and native with
 runtime.compile's "target" part (its whole forward compiled) — over the same target, documents and seeds, a
@@ -209,6 +212,9 @@ def main() -> None:
     )
     ap.add_argument("--peak-tflops", type=float, default=790.0, help="bf16 ceiling of the device (H200: 790)")
     ap.add_argument("--queue-depth", type=int, default=0, help="> 0: online pipeline with this queue depth")
+    ap.add_argument("--inline-ahead", action="store_true",
+                    help="queue depth 0 with pipeline.inline_ahead=1: each target pass launched one batch ahead on "
+                         "a side stream from the trainer's thread")  # fmt: skip
     ap.add_argument("--target-device", default="same", help="the target's device (pipeline), e.g. cuda:0")
     ap.add_argument("--host-threads", type=int, default=None,
                     help="as runtime.host_threads: 0 = torch's thread count, N >= 1 = torch.set_num_threads(N) "
@@ -327,9 +333,11 @@ def measure(
         epochs=None, seed=0, pad_multiple=cfg.data.pad_multiple, lengths=lengths,
         feature_pass=cfg.runtime.feature_pass, compile_target=compile_target,
     )  # fmt: skip
-    queued = args.queue_depth > 0
-    if queued:
+    queued = args.queue_depth > 0 or args.inline_ahead
+    if args.queue_depth > 0:
         source = QueuedSource(source, depth=args.queue_depth, device=device, source_device=target_device)
+    elif args.inline_ahead:  # pipeline.inline_ahead=1: the next target pass on a side stream, same thread
+        source = QueuedSource(source, depth=0, ahead=1, device=device, source_device=target_device)
     heads = target if target_device == device else FrozenHeads(target, device)
     attention = "flex" if device.type == "cuda" else "dense"
     model: Any = compile_parts(
@@ -447,6 +455,7 @@ def measure(
         if device.type == "cuda"
         else None,
         "queue_depth": args.queue_depth,
+        "inline_ahead": bool(args.inline_ahead),
         "target_device": str(target_device),
     }
     if queued:

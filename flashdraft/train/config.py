@@ -192,6 +192,9 @@ class PipelineConfig:
     mode: str = "online"  # online: the target computes features during training; offline: read features_dir
     features_dir: str = ""  # offline: a `flashdraft features dump` folder (~5.8 KB per token)
     queue_depth: int = 4  # feature batches computed ahead in a background thread; 0 = inline, no thread
+    # inline (queue_depth 0, or forced: runtime.feature_pass=native on CUDA): 1 = launch the next batch's target
+    # pass on a side CUDA stream before handing over this one, so it runs under the drafter step (off until timed)
+    inline_ahead: int = 0
     starve_threshold: float = 0.05  # warn when the trainer waits for features more than this fraction ...
     starve_window: int = 50  # ... of the time over the last this-many micro-batches
 
@@ -375,6 +378,8 @@ class TrainConfig:
             )
         if p.queue_depth < 0 or p.starve_window < 1 or not 0 <= p.starve_threshold <= 1:
             raise ConfigError("pipeline: queue_depth >= 0, starve_window >= 1, 0 <= starve_threshold <= 1")
+        if p.inline_ahead not in (0, 1):
+            raise ConfigError(f"pipeline.inline_ahead {p.inline_ahead}: use 0 or 1")
         if self.distributed.strategy not in ("ddp", "fsdp2"):
             raise ConfigError(f"distributed.strategy {self.distributed.strategy!r}: use ddp or fsdp2")
         if self.distributed.backend not in ("auto", "nccl", "gloo"):

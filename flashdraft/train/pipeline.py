@@ -81,7 +81,11 @@ class _Interval:
 class QueuedSource:
     """A FeatureSource that runs `inner` in a background thread, `depth` batches ahead.
 
-    depth = 0: no thread; the inner source runs inline and its time counts as consumer wait.
+    depth = 0: no thread; the inner source runs inline and its time counts as consumer wait. With `ahead` = 1
+    the inline source runs one batch ahead: each pull first launches the next batch's target pass on a side
+    CUDA stream, from the trainer's own thread (no second thread, so nothing compiled runs concurrently on the
+    host), then hands over the batch launched one pull earlier, so the GPU runs that target pass under the
+    drafter step. On a CPU there is no side stream, and the order and states are those of ahead = 0.
     """
 
     def __init__(
@@ -94,8 +98,12 @@ class QueuedSource:
         starve_threshold: float = 0.05,
         starve_window: int = 50,  # micro-batches
         inline_why: str | None = None,  # depth 0 by necessity, not by choice: why (`inline_reason`)
+        ahead: int = 0,  # depth 0: batches launched ahead on a side stream (0 or 1)
     ) -> None:
+        if ahead not in (0, 1):
+            raise ValueError(f"pipeline.inline_ahead {ahead}: use 0 or 1")
         self.inner = inner
+        self.ahead = ahead
         self.depth = int(depth)
         self.inline_why = inline_why
         self.device = torch.device(device) if device is not None else None
@@ -251,17 +259,27 @@ class QueuedSource:
 
     def _inline(self) -> Iterator[FeatureBatch]:
         it = iter(self.inner)
+        side = self._producer_streams()[:1] if self.ahead and self.source_device is not None else []
+        pending: collections.deque[_Item] = collections.deque()
+        exhausted = False
         while True:
             t0 = time.perf_counter()
-            fb = next(it, None)
-            if fb is None:
+            while not exhausted and len(pending) <= self.ahead:  # launch up to `ahead` batches past this one
+                with torch.cuda.stream(side[0]) if side else contextlib.nullcontext():
+                    fb = next(it, None)
+                    if fb is None:
+                        exhausted = True
+                        break
+                    fb = self._hand_off(fb)
+                    event = side[0].record_event() if side else None
+                state = copy.deepcopy(self.inner.state_dict())  # right after this batch
+                pending.append(_Item(fb, state, time.perf_counter() - t0, event))
+            if not pending:
                 return
-            fb = self._hand_off(fb)
+            item = pending.popleft()
             t1 = time.perf_counter()
-            self._consumed(
-                _Item(fb, copy.deepcopy(self.inner.state_dict()), t1 - t0), wait=t1 - t0, depth=0, now=t1
-            )
-            yield fb
+            self._consumed(item, wait=t1 - t0, depth=len(pending), now=t1)
+            yield self._ready(item)
 
     # ------------------------------------------------------------------ metrics
 
@@ -421,4 +439,5 @@ def build_source(
         inner, depth=depth, device=device, starve_threshold=p.starve_threshold,
         starve_window=p.starve_window, inline_why=why if depth == 0 else None,
         source_device=torch.device("cpu") if p.mode == "offline" else torch.device(target.device),
+        ahead=p.inline_ahead if depth == 0 else 0,
     )  # fmt: skip

@@ -135,6 +135,18 @@ def test_online_training_with_the_native_pass_and_a_compiled_drafter(
     assert "the target runs in the trainer's thread" in capsys.readouterr().err  # no producer thread
 
 
+def test_online_training_one_batch_ahead_on_a_side_stream_gives_the_same_losses(tmp_path, monkeypatch):
+    """pipeline.inline_ahead=1: the native pass of batch k+1 runs on a side stream under the drafter step of
+    batch k; the trainer waits for it on its own stream, so the losses are those of the serial inline run."""
+    runs = {}
+    for ahead in (0, 1):
+        _, runs[ahead] = _tiny_online_run(
+            tmp_path / str(ahead), monkeypatch, "optim.max_steps=6", "runtime.compile=model,loss",
+            "runtime.feature_pass=native", f"pipeline.inline_ahead={ahead}",
+        )  # fmt: skip
+    assert len(runs[1]) == 6 and runs[1] == pytest.approx(runs[0], rel=1e-2)
+
+
 def test_compiled_fused_ce_matches_reference_in_bf16_on_cuda(monkeypatch):
     """loss.fused_ce compiled on CUDA (bf16 logits, Triton) against the eager log_softmax chunk: the same
     loss and input gradient to bf16 accuracy, and the same argmax accuracy counts."""

@@ -72,6 +72,28 @@ def test_state_is_the_consumers_position_and_resume_restarts_the_producer_there(
     assert all(_same(a, b) for a, b in zip(full[3:], rest, strict=True))
 
 
+def test_inline_one_batch_ahead_gives_the_same_batches_states_and_resume(target):
+    """inline_ahead = 1 launches batch k+1 before handing over batch k: the batches, the consumer's state after
+    each and a resume from it are those of plain inline iteration (on a CPU there is no side stream)."""
+    full = list(_source(target))
+    q = QueuedSource(_source(target), depth=0, ahead=1, source_device=torch.device("cpu"))
+    it = iter(q)
+    taken = [next(it) for _ in range(3)]
+    assert q.inner.state_dict()["position"] == 4  # one batch launched ahead ...
+    ref = _source(target)
+    ref_it = iter(ref)
+    for _ in range(3):
+        next(ref_it)
+    assert q.state_dict() == ref.state_dict()  # ... but the state is the consumer's: 3 batches
+    resumed = QueuedSource(_source(target), depth=0, ahead=1, source_device=torch.device("cpu"))
+    resumed.load_state_dict(q.state_dict())
+    rest = list(resumed)
+    assert all(_same(a, b) for a, b in zip(full, taken + rest, strict=True)) and len(taken + rest) == len(full)
+    assert resumed.epoch == 1 and q.take_stats()["pipeline/queue_depth"] == 1.0
+    with pytest.raises(ValueError, match="use 0 or 1"):
+        QueuedSource(_source(target), depth=0, ahead=2)
+
+
 class _Slow:
     """A fake inner source: `delay` seconds per batch (producer-bound), or an error at batch `fail_at`."""
 
@@ -168,20 +190,21 @@ def test_target_placement_and_frozen_heads(target):
 
 def test_training_losses_are_the_same_with_and_without_the_queue(tmp_path, target):
     losses = {}
-    for depth in (0, 3):
+    for depth, ahead in ((0, 0), (3, 0), (0, 1)):  # inline, a producer thread, inline one batch ahead
         cfg = load_config(
             TrainConfig, None,
-            [f"run_dir={tmp_path / str(depth)}", "model.num_layers=1", "model.block_size=8", "data.max_length=48",
+            [f"run_dir={tmp_path / f'{depth}-{ahead}'}", "model.num_layers=1", "model.block_size=8", "data.max_length=48",
              "data.token_budget=96", "data.max_anchors=6", "data.pad_multiple=1", "telemetry.log_every=1",
              "telemetry.tensorboard=false", "telemetry.progress=false", "runtime.dtype=float32",
-             "optim.max_steps=6", "optim.grad_accum=2", f"pipeline.queue_depth={depth}"],
+             "optim.max_steps=6", "optim.grad_accum=2", f"pipeline.queue_depth={depth}",
+             f"pipeline.inline_ahead={ahead}"],
         )  # fmt: skip
         train(cfg, target=target, samples=DOCS)
-        m = read_metrics(tmp_path / str(depth))
-        losses[depth] = [r["loss"] for r in m]
+        m = read_metrics(tmp_path / f"{depth}-{ahead}")
+        losses[depth, ahead] = [r["loss"] for r in m]
         for key in ("pipeline/queue_depth", "pipeline/consumer_wait_frac", "pipeline/producer_s_per_batch"):
             assert key in m[-1], key
-    assert len(losses[0]) == 6 and losses[0] == losses[3]
+    assert len(losses[0, 0]) == 6 and losses[0, 0] == losses[3, 0] == losses[0, 1]
 
 
 @pytest.mark.gpu
