@@ -296,8 +296,8 @@ def compute_references(
         raise ValueError(f"batch engine {engine!r}: use one of {', '.join(BATCH_ENGINES)}")
     batch_source = "local-native" if engine == "native" else "local-batched"
     if settings.temperature > 0:  # a batched sample depends on the whole prompt set: name the set in the key
-        ids = json.dumps([settings.seed, batch_size, [p.id for p in prompts]]).encode()
-        batch_source += f"-sampled:{hashlib.sha256(ids).hexdigest()[:12]}"
+        prompt_set = json.dumps([settings.seed, batch_size, [p.id for p in prompts]]).encode()
+        batch_source += f"-sampled:{hashlib.sha256(prompt_set).hexdigest()[:12]}"
     local = batch_source if batched else ("local-engine" if fast else "local")
     source = f"server:{server.url}" if server is not None else local
     fp = target_fingerprint(target)
