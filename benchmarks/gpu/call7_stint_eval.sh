@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# A campaign stint's measurements in one device call (~5 min on an H100), each part bounded by a timeout:
+#   1. the frozen yardstick (benchmarks/yardstick/, T = 0, float32, chain + DDTree 8…512 + top-8 streak): the shipped
+#      drafter and NEW side by side, HumanEval-164 then held-out ShareGPT-100 (82 s + 61 s on an H100, 2026-12-06);
+#   2. HumanEval-164 at T = 1 (seeded sampled references, computed in one batch), DDTree-32 and -512;
+#   3. `flashdraft bench`: AR, auto, the chain and DDTree budgets, bf16, batch 1, 256 new tokens, 8 HumanEval
+#      problems, NEW's τ per budget from step 1's report (the entry of NEW's weights).
+# The target is the GGUF dequantized to float32 for 1–2 (save_target.py, once per machine), bf16 for 3.
+#   NEW=$WORK/stint-K/drafter-bf16 bash benchmarks/gpu/call7_stint_eval.sh
+# $OUT/evals/{humaneval-164,sharegpt-heldout-100,humaneval-164-t1}/ (report.json, report.md), $OUT/bench/,
+# $OUT/stint_eval.log. At home: campaign_ingest.py FOLDER --report $OUT/evals/humaneval-164/report.json --report
+# $OUT/evals/sharegpt-heldout-100/report.json --report-drafter <NEW's folder name>.
+set -uo pipefail
+source benchmarks/gpu/env.sh
+OLD=${OLD:-models/smollm2-135m-instruct-dflash-b16}
+NEW=${NEW:?NEW=<the stint drafter folder>}
+HE=humaneval:$STAGE/HumanEval.jsonl.gz
+F32=$WORK/smollm2-fp32
+[ -f $F32/config.json ] || python3 benchmarks/gpu/save_target.py $STAGE/SmolLM2-135M-Instruct.Q4_1.gguf $F32 float32 \
+  >/dev/null 2>&1
+E=$OUT/evals
+ev() {  # name, timeout, then eval flags
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  timeout "$limit" python3 -m flashdraft.cli eval --target $F32 --drafter $OLD --drafter $NEW --device cuda \
+    --dtype float32 --no-progress --out $E/$name "$@" 2>&1 | grep -v "^Convert\|^Loading" | tail -14
+  echo "[$name: $((SECONDS - t0)) s]"
+}
+{
+  for f in humaneval-164 sharegpt-heldout-100; do
+    ev $f "${YARDSTICK_TIMEOUT:-150}" --references benchmarks/yardstick/$f.jsonl
+  done
+  ev humaneval-164-t1 "${T1_TIMEOUT:-120}" --dataset $HE --temperature 1.0 --budgets 32,512 --topk 8
+  t0=$SECONDS
+  timeout "${BENCH_TIMEOUT:-150}" python3 -m flashdraft.cli bench --target "$TARGET" --drafter $NEW --dataset $HE \
+    --limit "${BENCH_PROMPTS:-8}" --max-new-tokens 256 --device cuda --dtype bfloat16 \
+    --methods ar,auto,chain,ddtree:8,ddtree:32,ddtree:128,ddtree:512 --tau-report $E/humaneval-164/report.json \
+    --no-progress --out $OUT/bench 2>&1 | grep -v "^Convert\|^Loading"
+  echo "[bench: $((SECONDS - t0)) s]"
+} 2>&1 | tee $OUT/stint_eval.log
