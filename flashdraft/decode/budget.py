@@ -106,6 +106,7 @@ def report_entry(drafters: dict[str, Any], drafter: str | None, p: Path) -> str:
     folder = Path(drafter)
     weights = next((f for f in (folder / "model.safetensors", folder / "drafter" / "model.safetensors")
                     if f.is_file()), None)  # fmt: skip
+    sha = None
     if weights is not None:
         from flashdraft.files import file_sha256
 
@@ -113,10 +114,13 @@ def report_entry(drafters: dict[str, Any], drafter: str | None, p: Path) -> str:
         same = [k for k, v in drafters.items() if isinstance(v, dict) and v.get("weights_sha256") == sha]
         if same:
             return same[0]
-    by_name = [k for k in drafters if k == folder.name]
-    if len(drafters) == 1 or by_name:
-        return by_name[0] if by_name else next(iter(drafters))
-    raise ValueError(f"{p}: no drafter {drafter!r} (has {sorted(drafters)})")
+    # an entry that records other weights is another drafter, whatever its name; older reports record none
+    unknown = [k for k, v in drafters.items() if sha is None or not (isinstance(v, dict) and v.get("weights_sha256"))]
+    by_name = [k for k in unknown if k == folder.name]
+    if by_name or len(drafters) == len(unknown) == 1:
+        return by_name[0] if by_name else unknown[0]
+    why = f"; none has its weights (sha256 {sha[:12]}…)" if sha else ""
+    raise ValueError(f"{p}: no drafter {drafter!r} (has {sorted(drafters)}){why}")
 
 
 # ----------------------------------------------------------------------------- calibration

@@ -162,6 +162,11 @@ def test_tau_from_report_picks_the_drafter_that_runs(tmp_path) -> None:
     (tmp_path / "report.json").write_text(json.dumps(rep))
     assert tau_from_report(tmp_path, "shipped") == {"chain": 2.7}
     assert tau_from_report(tmp_path, str(mine)) == {"chain": 3.1}  # by weights, though named otherwise
+    shipped_dir = tmp_path / "models" / "shipped"  # named like an entry, but that entry records other weights
+    shipped_dir.mkdir(parents=True)
+    (shipped_dir / "model.safetensors").write_bytes(b"weights shipped since")
+    with pytest.raises(ValueError, match="none has its weights"):
+        tau_from_report(tmp_path, str(shipped_dir))
     rep["drafters"] = {"shipped": entry(2.7), "drafter-bf16": entry(3.3)}  # an older report: no weights field
     (tmp_path / "report.json").write_text(json.dumps(rep))
     assert tau_from_report(tmp_path, str(mine)) == {"chain": 3.3}  # by folder name
