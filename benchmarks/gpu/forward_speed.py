@@ -394,7 +394,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    ap.add_argument(
+        "--inductor-deterministic", action="store_true",
+        help="torch._inductor.config.deterministic: reductions with fixed configs (the compiled AR step gave other "
+        "tokens on a rerun at a bf16 near-tie, H100 2026-12-06); recorded in the results",
+    )  # fmt: skip
     args = ap.parse_args(argv)
+    if args.inductor_deterministic:
+        import torch._inductor.config as inductor_config
+
+        inductor_config.deterministic = True
     if args.out.exists() and not args.overwrite:
         raise SystemExit(f"--out {args.out} exists: pass --overwrite to replace it")
     variants = [v for v in args.variants.split(",") if v]
@@ -412,7 +421,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "target": target.name, "drafter": dname, "device": dev_name, "torch": torch.__version__,
         "dtype": str(target.dtype), "block": drafter.block_size, "budget": args.budget, "max_len": max_len,
         "prompts": len(prompts), "dataset": args.dataset or "built-in prompts", "max_new_tokens": args.max_new_tokens,
-        "variants": {},
+        "variants": {}, "inductor_deterministic": args.inductor_deterministic,
     }  # fmt: skip
     log(
         f"target {target.name} | drafter {dname} | {dev_name} | torch {torch.__version__} | max_len {max_len}"
