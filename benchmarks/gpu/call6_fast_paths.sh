@@ -5,6 +5,7 @@
 #   2. `flashdraft bench` with --methods auto beside AR, the chain and fixed DDTree budgets, bf16, batch 1,
 #      256 new tokens, τ per budget from a yardstick eval report when TAU_REPORT is given.
 #   DRAFTER=models/smollm2-135m-instruct-dflash-b16 TAU_REPORT=<report.json> bash benchmarks/gpu/call6_fast_paths.sh
+#   FORWARD_EXTRA=--inductor-deterministic …   # more forward_speed.py flags
 # $OUT: forward_speed.json, fast_paths.log, bench/ (bench.json, bench.md).
 set -uo pipefail
 source benchmarks/gpu/env.sh
@@ -12,7 +13,7 @@ DRAFTER=${DRAFTER:-models/smollm2-135m-instruct-dflash-b16}
 HE=humaneval:$STAGE/HumanEval.jsonl.gz
 {
   timeout "${FORWARD_TIMEOUT:-240}" python3 benchmarks/gpu/forward_speed.py "$TARGET" --drafter "$DRAFTER" \
-    --dataset "$HE" --prompts 3 --max-new-tokens 128 --budget 32 --out "$OUT/forward_speed.json" \
+    --dataset "$HE" --prompts 3 --max-new-tokens 128 --budget 32 --out "$OUT/forward_speed.json" ${FORWARD_EXTRA:-} \
     2>&1 | grep -v "^Convert\|^Loading\|warn"
   tau=()
   [ -n "${TAU_REPORT:-}" ] && tau=(--tau-report "$TAU_REPORT")
