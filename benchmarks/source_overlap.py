@@ -16,19 +16,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from flashdraft.data.dataset import word_ngrams  # noqa: E402
+from flashdraft.data.dataset import source_ngrams, word_ngrams  # noqa: E402
 from flashdraft.data.regenerate import conversation_key  # noqa: E402
 from flashdraft.data.sources import SourceStats, load_conversations  # noqa: E402
 
 
 def overlap_table(sources: list[str], evals: list[str], ngram: int) -> str:
-    refs = {}
-    for name in evals:
-        grams: set[int] = set()
-        for conv in load_conversations(name):
-            for turn in conv.turns:
-                grams |= word_ngrams(turn.content, ngram)
-        refs[name] = grams
+    refs = {name: source_ngrams(name, ngram) for name in evals}
     seen: set[str] = set()
     lines = [
         f"| source | conversations | distinct prompts (new) | {' | '.join(f'sharing a {ngram}-gram with {e}' for e in evals)} |",
@@ -43,18 +37,21 @@ def overlap_table(sources: list[str], evals: list[str], ngram: int) -> str:
             if key not in seen:
                 seen.add(key)
                 new.append(c)
-        hits = []
-        for grams in refs.values():
-            hits.append(sum(1 for c in new if any(word_ngrams(t.content, ngram) & grams for t in c.turns)))
+        conv_grams = [set().union(*(word_ngrams(t.content, ngram) for t in c.turns)) for c in new]
+        hits = [sum(1 for g in conv_grams if g & grams) for grams in refs.values()]
         bad = f" ({len(stats.bad)} bad records skipped)" if stats.bad else ""
-        lines.append(f"| {spec}{bad} | {len(convs):,} | {len(new):,} | {' | '.join(f'{h:,}' for h in hits)} |")
+        lines.append(
+            f"| {spec}{bad} | {len(convs):,} | {len(new):,} | {' | '.join(f'{h:,}' for h in hits)} |"
+        )
     lines.append(f"| all | | {len(seen):,} | |")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("sources", nargs="+", help="source specs as `flashdraft data regenerate --input` takes them")
+    ap.add_argument(
+        "sources", nargs="+", help="source specs as `flashdraft data regenerate --input` takes them"
+    )
     ap.add_argument("--eval", action="append", default=None, help="evaluation source(s) (default: humaneval)")
     ap.add_argument("--ngram", type=int, default=13, help="word n-gram length of the check")
     a = ap.parse_args(argv)

@@ -135,3 +135,14 @@ def file_sha256(path: str | os.PathLike[str]) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
+
+
+def weights_sha256(path: str | os.PathLike[str] | None) -> str | None:
+    """The sha256 of the weights file a drafter folder (or a checkpoint's drafter/) holds: its model.safetensors;
+    None when there is none (no path, a run folder, an in-memory drafter)."""
+    if not path:
+        return None
+    for f in (Path(path) / "model.safetensors", Path(path) / "drafter" / "model.safetensors"):
+        if f.is_file():
+            return file_sha256(f)
+    return None

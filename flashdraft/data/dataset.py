@@ -209,6 +209,17 @@ def word_ngrams(text: str, n: int) -> set[int]:
     return {hash(" ".join(words[i : i + n])) for i in range(len(words) - n + 1)}
 
 
+def source_ngrams(spec: str, n: int) -> set[int]:
+    """The hashed word n-grams of every turn of a prompt source (an evaluation set to keep out of training)."""
+    from flashdraft.data.sources import load_conversations
+
+    grams: set[int] = set()
+    for conv in load_conversations(spec):
+        for turn in conv.turns:
+            grams |= word_ngrams(turn.content, n)
+    return grams
+
+
 def prompt_text(s: Sample) -> str | None:
     """The user/system text of a sample (from meta["prompt"]), used for contamination checks."""
     msgs = s.meta.get("prompt")
@@ -317,15 +328,8 @@ def write_dataset(
 
     # contamination: training prompts sharing a word n-gram with an evaluation set are dropped
     refs: dict[str, set[int]] = {}
-    if contamination_sources:
-        from flashdraft.data.sources import load_conversations
-
-        for name in contamination_sources:
-            grams: set[int] = set()
-            for conv in load_conversations(name):
-                for turn in conv.turns:
-                    grams |= word_ngrams(turn.content, contamination_ngram)
-            refs[name] = grams
+    for name in contamination_sources or []:
+        refs[name] = source_ngrams(name, contamination_ngram)
     if check_eval_split_overlap:
         grams = set()
         for s in kept["eval"]:

@@ -145,9 +145,8 @@ def collect_conversations(cfg: RegenConfig) -> tuple[list[Conversation], Counter
     skipped = 0
     for spec in cfg.inputs:
         for c in iter_conversations(spec, stats):
-            if (
-                skipped < cfg.skip
-            ):  # the inputs' first conversations as read, whatever --max-turns and dedup do
+            # the inputs' first conversations as read, whatever --max-turns and dedup do
+            if skipped < cfg.skip:
                 skipped += 1
                 continue
             if cfg.max_turns is not None:

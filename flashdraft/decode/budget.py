@@ -103,19 +103,18 @@ def report_entry(drafters: dict[str, Any], drafter: str | None, p: Path) -> str:
         return next(iter(drafters))
     if drafter in drafters:
         return drafter
-    folder = Path(drafter)
-    weights = next((f for f in (folder / "model.safetensors", folder / "drafter" / "model.safetensors")
-                    if f.is_file()), None)  # fmt: skip
-    sha = None
-    if weights is not None:
-        from flashdraft.files import file_sha256
+    from flashdraft.files import weights_sha256
 
-        sha = file_sha256(weights)
+    folder = Path(drafter)
+    sha = weights_sha256(folder)
+    if sha is not None:
         same = [k for k, v in drafters.items() if isinstance(v, dict) and v.get("weights_sha256") == sha]
         if same:
             return same[0]
     # an entry that records other weights is another drafter, whatever its name; older reports record none
-    unknown = [k for k, v in drafters.items() if sha is None or not (isinstance(v, dict) and v.get("weights_sha256"))]
+    unknown = [
+        k for k, v in drafters.items() if sha is None or not (isinstance(v, dict) and v.get("weights_sha256"))
+    ]
     by_name = [k for k in unknown if k == folder.name]
     if by_name or len(drafters) == len(unknown) == 1:
         return by_name[0] if by_name else unknown[0]

@@ -36,7 +36,7 @@ from flashdraft.eval.references import (
     default_ref_batch,
 )
 from flashdraft.eval.replay import Method, methods_for
-from flashdraft.files import file_sha256
+from flashdraft.files import weights_sha256
 from flashdraft.target import TargetModel, check_pair, target_fingerprint
 
 
@@ -209,17 +209,6 @@ def summarize(
         ],
         target_layer_ids=list(drafter.target_layer_ids), weights_sha256=weights_sha256(path),
     )  # fmt: skip
-
-
-def weights_sha256(path: str) -> str | None:
-    """The sha256 of the weights file a drafter folder (or a checkpoint's drafter/) holds; None when there is none
-    (a run folder, an in-memory drafter)."""
-    if not path:
-        return None
-    for f in (Path(path) / "model.safetensors", Path(path) / "drafter" / "model.safetensors"):
-        if f.is_file():
-            return file_sha256(f)
-    return None
 
 
 def _checked_item(
