@@ -2,14 +2,15 @@
 # A campaign stint's measurements in one device call (~5 min on an H100), each part bounded by a timeout:
 #   1. the frozen yardstick (benchmarks/yardstick/, T = 0, float32, chain + DDTree 8…512 + top-8 streak): the shipped
 #      drafter and NEW side by side, HumanEval-164 then held-out ShareGPT-100 (82 s + 61 s on an H100, 2026-12-06);
-#   2. HumanEval-164 at T = 1 (seeded sampled references, computed in one batch), DDTree-32 and -512;
+#   2. HumanEval at T = 1 (the first T1_LIMIT=32 problems, seeded sampled references computed in one batch; all 164
+#      did not finish in 120 s on an H100, 2026-12-06), DDTree-32 and -512;
 #   3. `flashdraft bench`: AR, auto, the chain and DDTree budgets, bf16, batch 1, 256 new tokens, 8 HumanEval
 #      problems, NEW's τ per budget from step 1's report (the entry of NEW's weights).
 # The target is the GGUF dequantized to float32 for 1–2 (save_target.py, once per machine), bf16 for 3.
 #   NEW=$WORK/stint-K/drafter-bf16 bash benchmarks/gpu/call7_stint_eval.sh
-# $OUT/evals/{humaneval-164,sharegpt-heldout-100,humaneval-164-t1}/ (report.json, report.md), $OUT/bench/,
-# $OUT/stint_eval.log. At home: campaign_ingest.py FOLDER --report $OUT/evals/humaneval-164/report.json --report
-# $OUT/evals/sharegpt-heldout-100/report.json --report-drafter <NEW's folder name>.
+# $OUT/stint_eval.tar (evals/{humaneval-164,sharegpt-heldout-100,humaneval-164-t1}/report.{json,md}, bench/) and
+# $OUT/stint_eval.log. At home: tar -xf stint_eval.tar, then campaign_ingest.py FOLDER --report
+# evals/humaneval-164/report.json --report evals/sharegpt-heldout-100/report.json --report-drafter <NEW's folder name>.
 set -uo pipefail
 source benchmarks/gpu/env.sh
 OLD=${OLD:-models/smollm2-135m-instruct-dflash-b16}
@@ -30,7 +31,8 @@ ev() {  # name, timeout, then eval flags
   for f in humaneval-164 sharegpt-heldout-100; do
     ev $f "${YARDSTICK_TIMEOUT:-150}" --references benchmarks/yardstick/$f.jsonl
   done
-  ev humaneval-164-t1 "${T1_TIMEOUT:-120}" --dataset $HE --temperature 1.0 --budgets 32,512 --topk 8
+  ev humaneval-164-t1 "${T1_TIMEOUT:-120}" --dataset $HE --limit "${T1_LIMIT:-32}" --temperature 1.0 \
+    --budgets 32,512 --topk 8
   t0=$SECONDS
   timeout "${BENCH_TIMEOUT:-150}" python3 -m flashdraft.cli bench --target "$TARGET" --drafter $NEW --dataset $HE \
     --limit "${BENCH_PROMPTS:-8}" --max-new-tokens 256 --device cuda --dtype bfloat16 \
@@ -38,3 +40,6 @@ ev() {  # name, timeout, then eval flags
     --no-progress --out $OUT/bench 2>&1 | grep -v "^Convert\|^Loading"
   echo "[bench: $((SECONDS - t0)) s]"
 } 2>&1 | tee $OUT/stint_eval.log
+# a device call sends back at most 8 files: the reports travel as one tar (the plots stay behind)
+rm -f $E/*/*.png
+tar -C $OUT -cf $OUT/stint_eval.tar evals bench 2>/dev/null && rm -rf $E $OUT/bench

@@ -8,6 +8,7 @@ test replays the graphs on CUDA when there is one.
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
 import torch
@@ -137,6 +138,36 @@ def test_engine_follows_drafter_weights_changed_in_place():
     )
     assert got.tokens == fresh.tokens
     assert got.acceptance_lengths == fresh.acceptance_lengths  # the same drafts, round by round
+
+
+def test_generate_keeps_one_engine_when_ar_and_drafted_calls_alternate(monkeypatch):
+    """`flashdraft bench` runs every method on each prompt in turn: an AR call between two drafted ones must
+    reuse the engine (an AR row with its own engine paid a rebuild and CUDA-graph capture per prompt, and
+    so did the next drafted row), and still give AR's tokens."""
+    from flashdraft.decode import engine as fast
+
+    built: list[int] = []
+
+    class Counting(fast.FastEngine):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            built.append(1)
+            super().__init__(*args, **{**kwargs, "cuda_graphs": False})
+
+    monkeypatch.setattr(fast, "FastEngine", Counting)
+    monkeypatch.setattr(fast, "_ENGINE", {})
+    target = tiny_target("llama", layers=3)
+    drafter = tiny_drafter(target, layers=2)
+    prompt = [5, 9, 14, 3, 22, 7]
+    ar_alone = FastEngine(target, None, max_len=64, cuda_graphs=False).generate(
+        prompt, max_new_tokens=12, method="ar"
+    )
+    for method in ("chain", "ar", "chain", "ar"):
+        res = fast.generate(
+            target, None if method == "ar" else drafter, prompt, max_new_tokens=12, method=method
+        )
+        if method == "ar":
+            assert res.tokens == ar_alone.tokens
+    assert len(built) == 1
 
 
 def test_native_support_refuses_other_families():
