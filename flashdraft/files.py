@@ -109,7 +109,12 @@ def apply_umask(path: str | os.PathLike[str]) -> None:
 
 
 def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
-    """Write `text` to `path` through a temp file beside it and one rename (the file keeps the umask's mode)."""
+    """Write `text` (UTF-8) to `path` through a temp file beside it and one rename (the umask's mode)."""
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
+    """Write `data` to `path` through a temp file beside it and one rename (the file keeps the umask's mode)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     while True:
@@ -120,8 +125,8 @@ def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
         except FileExistsError:
             continue
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)

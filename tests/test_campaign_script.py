@@ -3,6 +3,7 @@ config, fresh data every stint, only ShareGPT trained on, the budget split, what
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import subprocess
@@ -116,6 +117,20 @@ def test_only_sharegpt_and_codeio_are_trained_on(spec: str, capsys: pytest.Captu
     assert cs.check_training_input("sharegpt") == "sharegpt"
     assert cs.check_training_input("sharegpt:/s/x.json.gz") == "sharegpt:/s/x.json.gz"
     assert cs.check_training_input("codeio:/s/codeio.jsonl.gz") == "codeio:/s/codeio.jsonl.gz"
+
+
+def test_a_prompts_file_trains_only_when_its_bytes_were_reviewed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "Sort a list."}\n')
+    with pytest.raises(cs.StintError, match="REVIEWED_PROMPT_FILES"):
+        cs.check_training_input(f"prompts:{f}")
+    monkeypatch.setitem(cs.REVIEWED_PROMPT_FILES, hashlib.sha256(f.read_bytes()).hexdigest(), "a test file")
+    assert cs.check_training_input(f"prompts:{f}") == f"prompts:{f}"
+    f.write_text('{"prompt": "Sort a list!"}\n')  # one byte changed: not the file that was reviewed
+    with pytest.raises(cs.StintError, match="REVIEWED_PROMPT_FILES"):
+        cs.check_training_input(f"prompts:{f}")
 
 
 def test_budget_too_small_for_training_names_the_flags() -> None:

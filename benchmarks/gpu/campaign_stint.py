@@ -53,6 +53,11 @@ CONFIG = REPO / "configs" / "smollm2-b16.yaml"
 # standard library's docs or source). `flashdraft data sources` lists the others: humaneval (the eval itself),
 # messages / prompts (user files of unknown provenance)
 CAMPAIGN_SOURCES = ("sharegpt", "codeio")
+# `prompts:` files reviewed by content: sha256 → what made them (the same wheels give the same bytes)
+REVIEWED_PROMPT_FILES = {
+    "d1bbf7dd1292629694908dfb199cfd38af87ba0eb59069e4402417175e33904c":
+        "benchmarks/pypi_prompts.py: 7,310 prompts eight pinned wheels ship (licences in its table)",
+}  # fmt: skip
 TEMPERATURES = (0.7, 0.9, 1.0)  # sampled answers: other answers to the same prompts at every stint
 SEED_BASE = 100  # the shipped drafter's data used seeds 0..2: stint seeds start above them
 SHIP_MIN = 0.4  # minutes kept at the end of a call for the bf16 drafter, the tar and its parts (0.10-0.15 in stints 1-3)
@@ -102,11 +107,17 @@ def check_training_input(spec: str) -> str:
         return spec
     if name == "humaneval":
         raise StintError(f"--input {spec}: HumanEval is the eval set, never training data")
+    path = Path(spec.partition(":")[2])
+    if name == "prompts" and path.is_file():
+        from flashdraft.files import file_sha256
+
+        if file_sha256(path) in REVIEWED_PROMPT_FILES:
+            return spec
     raise StintError(
-        f"--input {spec}: the campaign trains only on {', '.join(CAMPAIGN_SOURCES)} sources (NAME or NAME:PATH). "
-        "User files (messages:, prompts:, a bare path) may hold prompts derived from the Python standard library's "
-        "documentation or source, which no training prompt may be; review such a source, then add it to "
-        "CAMPAIGN_SOURCES"
+        f"--input {spec}: the campaign trains only on {', '.join(CAMPAIGN_SOURCES)} sources (NAME or NAME:PATH) "
+        "and on the prompts: files of REVIEWED_PROMPT_FILES. Other user files (messages:, prompts:, a bare path) may "
+        "hold prompts derived from the Python standard library's documentation or source, which no training prompt "
+        "may be; review such a file, then add its sha256 to REVIEWED_PROMPT_FILES"
     )
 
 
