@@ -120,17 +120,89 @@ def _surrogate_chain(lps: list[float], complete: bool) -> float | None:
     return pred
 
 
-@dataclass
-class TreeWalk:
-    """The largest DDTree of a round start, reduced to what every smaller budget needs.
+class NeedWidth:
+    """`accept`'s answer when the stored top-K per slot is too narrow for the tree (see `TreeWalk`)."""
 
-    `build_tree` emits nodes in pop order and a budget-n build pops exactly the first n nodes
-    of a larger build (a sibling of rank >= n can only be popped after n others), so one build
-    at the largest budget answers every budget: the tree of budget n is nodes 1..n.
+
+NEED_WIDTH = NeedWidth()
+
+
+class TreeWalk:
+    """The best-first DDTree search of one round start along its reference, popped only as far as the
+    largest budget asked so far: one search answers every budget (`build_tree` emits nodes in pop order,
+    and a budget-n build pops exactly the first n nodes of a larger one), and a start only the small
+    budgets reach costs only their pops.
+
+    The same search as `flashdraft.tree.best_first` (same heap keys, so the same nodes in the same order;
+    tested against `build_tree`), reduced to what the replay needs: no Tree tensors or child maps, the
+    reference path followed while nodes are popped (a node is on it when its parent is the path's tip and
+    it holds the reference token's rank in its slot). Its lists are cut at `max_budget` ranks per slot,
+    the largest budget any caller may ask.
+
+    The stored top-K may be narrower than min(max_budget, vocab) (most trees use only the first few ranks
+    of each slot): the search is then exact until a node of the last stored rank is popped, because only
+    that pop would push a sibling the lists do not hold; popping past it answers NEED_WIDTH (the caller
+    stores the full top-K and walks again). None means the tree needs the next slot, as in `best_first`.
+    After either answer the walk is spent: the caller walks again on the grown rows.
     """
 
-    path: list[int]  # node indices (pop order) of the reference path, root excluded; increasing
-    cum_q: list[float]  # cum_q[i] = Σ_{j <= i} Q(node j+1): prefix sums of the nodes' probabilities
+    def __init__(self, rows: DraftRows, ref: list[int], max_budget: int) -> None:
+        self.have, width = rows.top_lp.shape
+        self.max_budget = max_budget
+        self.k = min(max_budget, width)
+        self.narrow = width < min(max_budget, rows.vocab)
+        self.lp = rows.top_lp[:, : self.k].tolist()  # [S][k]
+        self.num_slots = rows.num_slots
+        # the rank of the reference token in each slot's list (-1: not there), instead of every slot's ids
+        self.n_ref = min(len(ref), self.have)
+        hit = (
+            rows.top_ids[: self.n_ref, : self.k]
+            == torch.tensor(ref[: self.n_ref], dtype=rows.top_ids.dtype)[:, None]
+        )
+        self.ref_rank: list[int] = torch.where(hit.any(-1), hit.int().argmax(-1), -1).tolist()
+        self.scores: list[float] = []
+        self.path: list[int] = []  # node indices (pop order) of the reference path, root excluded; increasing
+        self.tip = 0  # node index of the path's last node (0 = root)
+        self.edge = False  # a node of the last stored rank was popped: exact so far, not one pop further
+        # entries (−score, depth, rank, parent, −parent score): the keys are distinct, so the pop order is the
+        # key order whatever sequence of pushes built the heap, and a sibling can replace its elder in one sift
+        self.heap: list[tuple[float, int, int, int, float]] = (
+            [(-self.lp[0][0], 1, 0, 0, -0.0)] if max_budget and self.k and self.have else []
+        )
+        self._cum: list[float] = []
+
+    def advance(self, budget: int) -> TreeWalk | NeedWidth | None:
+        """Pop until `budget` nodes (or the whole tree) are out; self, or NEED_WIDTH / None as above."""
+        heap, lp, scores, k = self.heap, self.lp, self.scores, self.k
+        pop, push, replace = heapq.heappop, heapq.heappush, heapq.heapreplace
+        while heap and len(scores) < budget:
+            if self.edge:
+                return (
+                    NEED_WIDTH  # the full lists would have pushed a sibling of rank k: later pops may differ
+                )
+            neg, depth, rank, parent, parent_neg = heap[0]
+            if rank + 1 < k:  # the next sibling: −(parent score + lp) as −parent score − lp, the same float
+                replace(heap, (parent_neg - lp[depth - 1][rank + 1], depth, rank + 1, parent, parent_neg))
+            else:
+                pop(heap)
+            scores.append(-neg)
+            node = len(scores)
+            if parent == self.tip and depth <= self.n_ref and rank == self.ref_rank[depth - 1]:
+                self.path.append(node)
+                self.tip = node
+            if depth < self.num_slots:
+                if depth >= self.have:
+                    return None  # identical to the full-width search up to here: it needs the next slot too
+                push(heap, (neg - lp[depth][0], depth + 1, 0, node, neg))
+            self.edge = self.narrow and rank == k - 1
+        return self
+
+    @property
+    def cum_q(self) -> list[float]:
+        """cum_q[i] = Σ_{j <= i} Q(node j+1) over the nodes popped so far, as Tree.log_probs sums them."""
+        if len(self._cum) != len(self.scores):
+            self._cum = torch.tensor(self.scores, dtype=torch.float32).double().exp().cumsum(0).tolist()
+        return self._cum
 
     def accepted(self, budget: int) -> int:
         a = 0
@@ -139,62 +211,13 @@ class TreeWalk:
         return a
 
     def predicted(self, budget: int) -> float:
-        n = min(budget, len(self.cum_q))
+        n = min(budget, len(self.scores))
         return 1.0 + (self.cum_q[n - 1] if n else 0.0)
 
 
-class NeedWidth:
-    """`accept`'s answer when the stored top-K per slot is too narrow for the tree (see `tree_walk`)."""
-
-
-NEED_WIDTH = NeedWidth()
-
-
 def tree_walk(rows: DraftRows, ref: list[int], budget: int) -> TreeWalk | NeedWidth | None:
-    """The budget-`budget` tree's walk along `ref`, from the stored top-K per slot.
-
-    The same best-first search as `flashdraft.tree.best_first` (same heap entries, same order,
-    so the same nodes; tested against `build_tree`), reduced to what the replay needs: no Tree
-    tensors or child maps, the reference path followed while nodes are popped (a node is on it
-    when its parent is the path's tip and its token is the next reference token).
-
-    The stored top-K may be narrower than min(budget, vocab) (most trees use only the first few
-    ranks of each slot): the search is then exact until a node of the last stored rank is popped,
-    because only that pop would push a sibling the lists do not hold. If more nodes are to be
-    popped after it, the answer is NEED_WIDTH (the caller stores the full top-`budget` and asks
-    again); None means the tree needs the next slot, as in `best_first`.
-    """
-    have, width = rows.top_lp.shape
-    k = min(budget, width)
-    narrow = width < min(budget, rows.vocab)
-    lp = rows.top_lp[:, :k].tolist()  # [S][k]
-    ids = rows.top_ids[:, :k].tolist()
-    num_slots = rows.num_slots
-    scores: list[float] = []
-    path: list[int] = []
-    tip = 0  # node index of the path's last node (0 = root)
-    heap: list[tuple[float, int, int, int, float]] = (
-        [(-lp[0][0], 1, 0, 0, 0.0)] if budget and k and have else []
-    )
-    while heap and len(scores) < budget:
-        neg, depth, rank, parent, parent_score = heapq.heappop(heap)
-        scores.append(-neg)
-        node = len(scores)
-        tok = ids[depth - 1][rank]
-        if parent == tip and len(path) < len(ref) and tok == ref[len(path)]:
-            path.append(node)
-            tip = node
-        if rank + 1 < k:
-            s = parent_score + lp[depth - 1][rank + 1]
-            heapq.heappush(heap, (-s, depth, rank + 1, parent, parent_score))
-        if depth < num_slots:
-            if depth >= have:
-                return None  # identical to the full-width search up to here: it needs the next slot too
-            heapq.heappush(heap, (-(-neg + lp[depth][0]), depth + 1, 0, node, -neg))
-        if narrow and rank == k - 1 and len(scores) < budget:
-            return NEED_WIDTH  # the full lists would push rank k here; later pops may differ
-    cum = torch.tensor(scores, dtype=torch.float32).double().exp().cumsum(0).tolist()  # as Tree.log_probs
-    return TreeWalk(path, cum)
+    """The budget-`budget` tree's walk along `ref`, from the stored top-K per slot (see TreeWalk)."""
+    return TreeWalk(rows, ref, budget).advance(budget)
 
 
 def accept(
@@ -227,19 +250,19 @@ def accept(
     if method.kind == "ddtree":
         big = max(tree_budget, method.size)
         share = shared if shared is not None and big == tree_budget else None
-        if share is not None and share.get("short") == len(rows.argmax):
-            return None  # this start's tree already asked for more slots than these rows hold
+        short = share.get("short") if share is not None else None
+        if short is not None and short[0] == len(rows.argmax) and method.size >= short[1]:
+            return None  # this budget's tree already asked for more slots than these rows hold
         walk = share.get("tree") if share is not None else None
-        if walk is None:
-            walk = tree_walk(rows, ref, big)
-            if isinstance(walk, NeedWidth):
-                return walk
-            if walk is None:
-                if share is not None:
-                    share["short"] = len(rows.argmax)
-                return None
-            if share is not None:
-                share["tree"] = walk
+        if walk is None or walk.have != len(rows.argmax) or walk.k != min(big, rows.top_lp.shape[1]):
+            walk = TreeWalk(rows, ref, big)  # a first walk, or the rows grew (more slots, or widened)
+        got = walk.advance(method.size)
+        if share is not None:
+            share["tree"] = walk if isinstance(got, TreeWalk) else None
+            if got is None:
+                share["short"] = (len(rows.argmax), method.size)
+        if not isinstance(got, TreeWalk):
+            return got
         return Outcome(walk.accepted(method.size), walk.predicted(method.size))
     if method.kind == "topk":
         k = method.size

@@ -234,3 +234,37 @@ def test_tree_walk_matches_build_tree(seed: int) -> None:
             top_lp, top_ids = lp.topk(min(budget, vocab), dim=-1)
             rows = DraftRows([0], top_lp[:1], top_ids[:1], vocab, slots)
             assert tree_walk(rows, ref, budget) is None
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_walk_advanced_budget_by_budget_equals_build_tree_at_every_budget(seed: int) -> None:
+    """The replay asks one start's walk for its budgets in growing order: popping on from a smaller budget
+    gives build_tree's tree of the larger one (path along the reference, surrogate sums), and a narrow top-K
+    answers NEED_WIDTH rather than a different tree."""
+    from flashdraft.eval.replay import NEED_WIDTH, DraftRows, TreeWalk
+
+    g = torch.Generator().manual_seed(100 + seed)
+    slots, vocab, big = 7, 40, 64
+    logits = torch.randn(slots, vocab, generator=g, dtype=torch.float64) * (1.0 + seed)
+    lp = torch.log_softmax(logits.float(), -1)
+    ref = [int(lp[j].topk(2).indices[j % 2]) for j in range(slots)]  # ranks 0, 1, 0, 1, ...: a deep path
+    answered = 0
+    for width in (3, 8, vocab):
+        top_lp, top_ids = lp.topk(width, dim=-1)
+        walk = TreeWalk(DraftRows(top_lp[:, 0].tolist(), top_lp, top_ids, vocab, slots), ref, big)
+        for budget in (1, 2, 4, 8, 16, 32, 64):
+            got = walk.advance(budget)
+            if got is NEED_WIDTH:
+                assert width < min(big, vocab)
+                break
+            tree = build_tree(logits, budget)
+            want_path, node = [], 0
+            for tok in ref:
+                if tok not in tree.children[node]:
+                    break
+                node = tree.children[node][tok]
+                want_path.append(node)
+            assert isinstance(got, TreeWalk) and got.path == want_path, (width, budget)
+            assert got.cum_q == torch.exp(tree.log_probs.double()).cumsum(0).tolist()
+            answered += 1
+    assert answered > 7  # the full width answers every budget; the narrow ones some
