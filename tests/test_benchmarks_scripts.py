@@ -390,3 +390,23 @@ def test_call6_fast_paths_times_the_forward_and_benches_auto(
     assert (bench["device"], bench["dtype"], bench["max_new_tokens"]) == ("cuda", "bfloat16", 256)
     assert bench["tau_report"] == "r.json" and bench["dataset"] == f"humaneval:{stage}/HumanEval.jsonl.gz"
     assert bench["out"] == str(out / "bench")
+
+
+def test_call7_stint_eval_scores_both_drafters_and_sends_one_tar(tmp_path: Path) -> None:
+    out, stage, work = tmp_path / "gpu" / "out", tmp_path / "gpu" / "stage", tmp_path / "gpu" / "work"
+    calls = run_script(tmp_path, "call7_stint_eval.sh", NEW="new-drafter")
+    evals = [parse_cli(c[2:]) for c in calls if c[:3] == [*FD, "eval"]]
+    assert [e["out"] for e in evals] == [str(out / "evals" / n) for n in
+                                         ("humaneval-164", "sharegpt-heldout-100", "humaneval-164-t1")]  # fmt: skip
+    for e in evals:
+        assert e["drafter"] == ["models/smollm2-135m-instruct-dflash-b16", "new-drafter"]
+        assert (e["target"], e["device"], e["dtype"]) == (str(work / "smollm2-fp32"), "cuda", "float32")
+    assert evals[0]["references"] == "benchmarks/yardstick/humaneval-164.jsonl"
+    assert (evals[2]["temperature"], evals[2]["limit"]) == (1.0, 32)
+    assert evals[2]["dataset"] == f"humaneval:{stage}/HumanEval.jsonl.gz"
+    bench = parse_cli(calls[-1][2:])
+    assert calls[-1][:3] == [*FD, "bench"] and bench["tau_report"] == str(
+        out / "evals/humaneval-164/report.json"
+    )
+    # a device call sends back at most 8 files: the log and one tar
+    assert sorted(p.name for p in out.iterdir()) == ["stint_eval.log", "stint_eval.tar"]

@@ -41,5 +41,6 @@ ev() {  # name, timeout, then eval flags
   echo "[bench: $((SECONDS - t0)) s]"
 } 2>&1 | tee $OUT/stint_eval.log
 # a device call sends back at most 8 files: the reports travel as one tar (the plots stay behind)
+mkdir -p $E $OUT/bench
 rm -f $E/*/*.png
-tar -C $OUT -cf $OUT/stint_eval.tar evals bench 2>/dev/null && rm -rf $E $OUT/bench
+tar -C $OUT -cf $OUT/stint_eval.tar evals bench && rm -rf $E $OUT/bench
