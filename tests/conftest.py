@@ -61,6 +61,24 @@ def tiny_drafter(target: TargetModel, *, layers: int = 2, block_size: int = 8, s
     return d.to(target.dtype).eval()
 
 
+@pytest.fixture
+def fast_engine_builds(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """One entry per FastEngine that `flashdraft.decode.engine.generate` builds from here on (CUDA graphs off),
+    starting from no kept engine."""
+    from flashdraft.decode import engine as fast
+
+    built: list[int] = []
+
+    class Counting(fast.FastEngine):
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            built.append(1)
+            super().__init__(*args, **{**kwargs, "cuda_graphs": False})  # type: ignore[arg-type]
+
+    monkeypatch.setattr(fast, "FastEngine", Counting)
+    monkeypatch.setattr(fast, "_ENGINE", {})
+    return built
+
+
 @pytest.fixture(params=["llama", "qwen3"])
 def family(request: pytest.FixtureRequest) -> str:
     return request.param

@@ -8,7 +8,6 @@ test replays the graphs on CUDA when there is one.
 from __future__ import annotations
 
 import random
-from typing import Any
 
 import pytest
 import torch
@@ -140,21 +139,12 @@ def test_engine_follows_drafter_weights_changed_in_place():
     assert got.acceptance_lengths == fresh.acceptance_lengths  # the same drafts, round by round
 
 
-def test_generate_keeps_one_engine_when_ar_and_drafted_calls_alternate(monkeypatch):
+def test_generate_keeps_one_engine_when_ar_and_drafted_calls_alternate(fast_engine_builds: list[int]) -> None:
     """`flashdraft bench` runs every method on each prompt in turn: an AR call between two drafted ones must
     reuse the engine (an AR row with its own engine paid a rebuild and CUDA-graph capture per prompt, and
     so did the next drafted row), and still give AR's tokens."""
     from flashdraft.decode import engine as fast
 
-    built: list[int] = []
-
-    class Counting(fast.FastEngine):
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            built.append(1)
-            super().__init__(*args, **{**kwargs, "cuda_graphs": False})
-
-    monkeypatch.setattr(fast, "FastEngine", Counting)
-    monkeypatch.setattr(fast, "_ENGINE", {})
     target = tiny_target("llama", layers=3)
     drafter = tiny_drafter(target, layers=2)
     prompt = [5, 9, 14, 3, 22, 7]
@@ -167,7 +157,7 @@ def test_generate_keeps_one_engine_when_ar_and_drafted_calls_alternate(monkeypat
         )
         if method == "ar":
             assert res.tokens == ar_alone.tokens
-    assert len(built) == 1
+    assert len(fast_engine_builds) == 1
 
 
 def test_native_support_refuses_other_families():

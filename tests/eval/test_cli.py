@@ -100,27 +100,15 @@ def test_bench_reports_speed_and_identity(setup: dict[str, Path]) -> None:
     assert "speedup vs AR" in (out / "bench.md").read_text()
 
 
-def test_bench_on_the_fast_engine_builds_one_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_bench_on_the_fast_engine_builds_one_engine(fast_engine_builds: list[int]) -> None:
     """Methods take turns on each prompt: AR between drafted methods must not rebuild the fast engine (each
     rebuild recaptured the CUDA graphs of every method inside the timed calls, on a GPU ~0.2 s a prompt)."""
-    from typing import Any
-
-    from flashdraft.decode import engine as fast
     from flashdraft.eval.bench import bench
     from flashdraft.eval.prompts import EvalPrompt
 
-    built: list[int] = []
-
-    class Counting(fast.FastEngine):
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            built.append(1)
-            super().__init__(*args, **{**kwargs, "cuda_graphs": False})
-
-    monkeypatch.setattr(fast, "FastEngine", Counting)
-    monkeypatch.setattr(fast, "_ENGINE", {})
     target = tiny_target("qwen3")
     prompts = [EvalPrompt(f"q{i}", [3 + i, 8, 13, 21], "token ids") for i in range(2)]
     rep = bench(target, tiny_drafter(target, seed=1), prompts, methods="ar,chain,ddtree:4", max_new_tokens=10,
                 engine="fast", progress=False)  # fmt: skip
-    assert rep.engine == "fast" and len(built) == 1
+    assert rep.engine == "fast" and len(fast_engine_builds) == 1
     assert all(r.identical_to_ar == 2 for r in rep.rows if r.method != "ar")

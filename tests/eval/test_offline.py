@@ -10,7 +10,7 @@ from flashdraft.decode.generate import generate
 from flashdraft.eval.evaluate import evaluate
 from flashdraft.eval.offline import ReplayItem, replay_batch, replay_sample, teacher_forced
 from flashdraft.eval.replay import Method, build_tree_from_topk, methods_for
-from flashdraft.tree import build_tree
+from flashdraft.tree import Tree, build_tree
 from tests.conftest import tiny_drafter, tiny_target
 
 BUDGETS = [1, 3, 8, 32]
@@ -192,6 +192,17 @@ def test_fast_paths_change_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     assert any(t > 1 for r in base for t in r.methods["ddtree-32"].acceptance_lengths)
 
 
+def tree_path(tree: Tree, ref: list[int]) -> list[int]:
+    """The nodes of `tree` along `ref` from the root, as far as its children hold the reference tokens."""
+    path, node = [], 0
+    for tok in ref:
+        if tok not in tree.children[node]:
+            break
+        node = tree.children[node][tok]
+        path.append(node)
+    return path
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_tree_walk_matches_build_tree(seed: int) -> None:
     """The replay's own best-first walk == build_tree + walk along the reference; a narrow top-K
@@ -210,12 +221,7 @@ def test_tree_walk_matches_build_tree(seed: int) -> None:
             tok, node = min(tree.children[node].items(), key=lambda kv: kv[1])
             ref.append(tok)
         ref.append(-1)
-        want_path, node = [], 0
-        for tok in ref:
-            if tok not in tree.children[node]:
-                break
-            node = tree.children[node][tok]
-            want_path.append(node)
+        want_path = tree_path(tree, ref)
         want_cum = torch.exp(tree.log_probs.double()).cumsum(0).tolist()
         answers = 0
         for width in (1, 2, 5, min(budget, vocab)):
@@ -258,13 +264,7 @@ def test_a_walk_advanced_budget_by_budget_equals_build_tree_at_every_budget(seed
                 assert width < min(big, vocab)
                 break
             tree = build_tree(logits, budget)
-            want_path, node = [], 0
-            for tok in ref:
-                if tok not in tree.children[node]:
-                    break
-                node = tree.children[node][tok]
-                want_path.append(node)
-            assert isinstance(got, TreeWalk) and got.path == want_path, (width, budget)
+            assert isinstance(got, TreeWalk) and got.path == tree_path(tree, ref), (width, budget)
             assert got.cum_q == torch.exp(tree.log_probs.double()).cumsum(0).tolist()
             answered += 1
     assert answered > 7  # the full width answers every budget; the narrow ones some
