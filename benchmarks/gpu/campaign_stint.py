@@ -19,11 +19,12 @@ runs again with transformers' pass.
 
 Fresh data each stint (`plan_for`): the stint index picks the sampling seed, the temperature and how many user
 turns of each ShareGPT conversation are answered, so sample ids (`…@T0.9s103`) never repeat an earlier
-stint's and `data merge` keeps every stint's answers. Only ShareGPT-layout chats and the CodeI/O coding tasks of
-`reasoning-gym` (`codeio:`, staged by make_stage.py) are trained on (`check_training_input`): HumanEval is the
-eval, and the other sources read user files (`messages:`, `prompts:`), which could hold prompts derived from the
-Python standard library's documentation or source; every
-regeneration and merge drops training prompts sharing a word 13-gram with HumanEval (`--contamination`).
+stint's and `data merge` keeps every stint's answers. Only ShareGPT-layout chats, the CodeI/O coding tasks of
+`reasoning-gym` (`codeio:`) and the `prompts:` files whose sha256 is in REVIEWED_PROMPT_FILES (the prompts other
+wheels ship, `benchmarks/pypi_prompts.py`), all staged by make_stage.py, are trained on (`check_training_input`):
+HumanEval is the eval, and other user files (`messages:`, `prompts:`) could hold prompts derived from the Python
+standard library's documentation or source; every regeneration and merge drops training prompts sharing a word
+13-gram with HumanEval (`--contamination`).
 
 What comes back in --out ($OUT, at most 8 files): stint.json (minutes per phase, training minutes and steps,
 new and cumulative samples / loss tokens, the last validation τ, the eval's τ; one line of
