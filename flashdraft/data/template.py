@@ -8,6 +8,9 @@ Used by `flashdraft data regenerate` (regenerate.py):
         conv.add_response(generated_ids, finish="stop")    # the ids it generated (stop token included)
     samples = conv.samples()                               # Sample(input_ids, loss_mask, meta)
 
+    ConversationBuilder(tpl, conversation, history=[(user_0, ids_0), ...])  # first turns answered earlier:
+                                                           # it asks for the next one; they are prompt, not loss
+
 How a prompt is built. The conversation so far is rendered with the tokenizer's own chat template
 (as a server renders it), with each earlier assistant message replaced by a unique sentinel string.
 The rendered text is split at the sentinels; the text pieces are tokenized (no special tokens added:
@@ -156,14 +159,20 @@ class ConversationBuilder:
     template: ChatTemplate
     conversation: Conversation
     max_length: int | None = None  # no prompt at or beyond this length is generated for
+    # (user text, generated ids) of the conversation's first turns, answered earlier (another dataset): the
+    # history of the turns answered here, in no sample's loss; their user texts lead the first sample's prompt
+    history: list[tuple[str, list[int]]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self._users = self.conversation.user_turns
-        self._done: list[tuple[str, list[int]]] = []  # (user text, generated ids)
-        self._finish: list[str] = []
+        if [u for u, _ in self.history] != self._users[: len(self.history)]:
+            raise ValueError("the history's user texts are not the conversation's first user turns")
+        self._done: list[tuple[str, list[int]]] = list(self.history)  # (user text, generated ids)
+        self._finish: list[str] = [""] * len(self.history)  # per turn; the history's are never stored
         self._ids: list[int] = []  # the running sample
         self._mask: list[bool] = []
-        self._first_turn = 0  # first turn index of the running sample
+        self._first_turn = len(self.history)  # first turn index of the running sample
+        self._prompt_from = 0  # first turn whose user text the running sample's meta["prompt"] lists
         self._samples: list[Sample] = []
         self._pending: list[int] | None = None
         self.stopped_early = False  # a prompt reached max_length
@@ -206,7 +215,7 @@ class ConversationBuilder:
         conv = self.conversation
         last = len(self._done)
         prompt = ([{"role": "system", "content": conv.system}] if conv.system is not None else []) + [
-            {"role": "user", "content": u} for u in self._users[self._first_turn : last]
+            {"role": "user", "content": u} for u in self._users[self._prompt_from : last]
         ]
         meta = {
             "conversation_id": conv.id,
@@ -218,7 +227,7 @@ class ConversationBuilder:
         }
         sid = conv.id if self._first_turn == 0 else f"{conv.id}#t{self._first_turn}"
         self._samples.append(Sample(sid, np.asarray(self._ids, np.int32), np.asarray(self._mask, bool), meta))
-        self._ids, self._mask, self._first_turn = [], [], last
+        self._ids, self._mask, self._first_turn, self._prompt_from = [], [], last, last
 
     def samples(self) -> list[Sample]:
         """All samples of the conversation (call once every turn is answered)."""

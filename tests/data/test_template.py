@@ -156,3 +156,23 @@ def test_template_that_rewrites_assistant_content_is_refused():
     )
     with pytest.raises(TemplateError, match="rewrites or drops assistant content"):
         bad.prompt_ids(None, [("hi", [5, 2])], "again")
+
+
+@pytest.mark.parametrize("kind", ["chatml", "qwen3"])
+def test_history_answers_only_the_later_turns(kind):
+    """A builder given turns 0-1 as history asks for turn 2 with the prompt of a builder that answered them,
+    and its one sample starts at turn 2 (`c1#t2`): the history is prompt, the later answer the only loss."""
+    tpl = ChatTemplate(make_tokenizer(kind), enable_thinking=False if kind == "qwen3" else None)
+    conv = _conv("Be brief.", ["Hi!", "What is 6 x 7?", "A joke?"])
+    _, prompts, gens = _run(tpl, conv, RESPONSES)
+    users = conv.user_turns
+    b = ConversationBuilder(tpl, conv, history=list(zip(users[:2], gens[:2], strict=True)))
+    assert b.turn == 2 and b.next_prompt() == prompts[2]
+    b.add_response(gens[2], "stop")
+    (s,) = b.samples()
+    assert s.id == "c1#t2" and s.meta["turns"] == [2, 3] and s.meta["finish"] == ["stop"]
+    assert s.input_ids.tolist() == prompts[2] + gens[2]
+    assert _loss_runs(s.loss_mask) == [(len(prompts[2]), len(s.input_ids))]
+    assert [m["content"] for m in s.meta["prompt"]] == ["Be brief.", *users]  # the history's user turns too
+    with pytest.raises(ValueError, match="first user turns"):
+        ConversationBuilder(tpl, conv, history=[("Hello!", gens[0])])
