@@ -51,6 +51,12 @@ def register(app: typer.Typer) -> None:
             help="answer only each conversation's first N user turns (1: the most distinct prompts "
             "per GPU minute: no history to prefill)",
         ),
+        continue_from: list[str] = typer.Option(
+            [],
+            "--continue-from",
+            help="dataset (repeatable) whose answers of each conversation's first turns are its history: only the "
+            "conversations it answered from turn 0 are continued, from their first unanswered turn",
+        ),
         max_length: int = typer.Option(3072, help="tokens per sample"),
         block_size: int = typer.Option(16, help="drafter block size B: samples keep >= 2·B loss tokens"),
         eval_fraction: float = typer.Option(0.02, help="held-out fraction (hash of the conversation id)"),
@@ -96,7 +102,7 @@ def register(app: typer.Typer) -> None:
             inputs=list(input), out=out, target=target, max_new_tokens=max_new_tokens, temperature=temperature,
             top_p=top_p, thinking=thinking, limit=limit, skip=skip, shard_size=shard_size, max_length=max_length,
             block_size=block_size, eval_fraction=eval_fraction, split_turns=split_turns,
-            max_turns=max_turns, max_bad_fraction=max_bad_fraction, seed=seed,
+            max_turns=max_turns, continue_from=list(continue_from), max_bad_fraction=max_bad_fraction, seed=seed,
             contamination_sources=[c for c in contamination if c != "none"],
             time_limit_s=time_limit * 60 if time_limit else None,
         )  # fmt: skip

@@ -30,6 +30,17 @@ resumes by skipping finished shards, and the final dataset is identical to an un
 sampled set merges beside a greedy one (`flashdraft data merge`): more answers from the same prompts.
 With `--server URL` an OpenAI-compatible server generates instead.
 
+Later turns without paying for the first ones again: `--continue-from DATASET` (repeatable) continues the
+conversations that DATASET answered from turn 0, given its answers as their history:
+
+    flashdraft data regenerate --input sharegpt --max-turns 2 --split-turns --out data/turns01
+    flashdraft data regenerate --input sharegpt --max-turns 4 --split-turns --continue-from data/turns01 --out data/turns23
+
+The second run answers turns 2 and 3 only (greedy: the same ids as one `--max-turns 4` run); its samples hold
+the history as prompt (no loss), are named from their first answered turn (`…#t2`, so the two sets merge), and
+land in the same split. Conversations absent there, with a gap or another history there (a turn dropped, user
+texts that differ), or with nothing left to answer are skipped and counted.
+
 Nothing is left out silently: the manifest's `dropped` (and the command's summary line) counts every
 drop by reason — bad input records, duplicate prompts, conversations whose first prompt is already
 `--max-length` long, later turns whose history reached it, samples with fewer than 2·B answer
@@ -83,6 +94,9 @@ class RegenConfig:
     eval_fraction: float = 0.02
     split_turns: bool = False
     max_turns: int | None = None  # answer only each conversation's first N user turns (1: first turns only)
+    # datasets whose answers of each conversation's first turns are its history: only the conversations they
+    # answered from turn 0 are continued, from their first unanswered turn (see `continue_conversations`)
+    continue_from: list[str] = field(default_factory=list)
     max_bad_fraction: float = 0.1
     seed: int = 0
     contamination_sources: list[str] = field(default_factory=lambda: ["humaneval"])
@@ -100,6 +114,8 @@ class RegenConfig:
             d["max_turns"] = self.max_turns
         if self.skip:
             d["skip"] = self.skip
+        if self.continue_from:  # the histories: a rewritten dataset is another one
+            d["continue_from"] = [_manifest_sha256(p) for p in self.continue_from]
         d["template"] = template.fingerprint
         return d
 
@@ -174,24 +190,126 @@ def collect_conversations(cfg: RegenConfig) -> tuple[list[Conversation], Counter
     return convs, drops, stats
 
 
+def _loss_runs(mask: Any) -> list[tuple[int, int]]:
+    """[start, end) of each run of True in a loss mask: one per answered turn, in order."""
+    import numpy as np
+
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], np.asarray(mask, np.int8), [0]])))
+    return list(zip(edges[::2].tolist(), edges[1::2].tolist(), strict=True))
+
+
 def split_by_turn(s: Sample) -> list[Sample]:
     """One sample per answered turn: the history up to that turn's response, loss on that response only."""
     import numpy as np
 
-    m = s.loss_mask.astype(np.int8)
-    edges = np.flatnonzero(np.diff(np.concatenate([[0], m, [0]])))  # starts and ends of loss runs
-    runs = list(zip(edges[::2].tolist(), edges[1::2].tolist(), strict=True))
+    runs = _loss_runs(s.loss_mask)
     if len(runs) <= 1:
         return [s]
-    first = s.meta["turns"][0]
+    first, last = s.meta["turns"]
+    system = 1 if s.meta["prompt"][0]["role"] == "system" else 0
+    before = len(s.meta["prompt"]) - system - (last - first)  # user turns listed before `first` (a history's)
     out = []
     for k, (a, b) in enumerate(runs):
         mask = np.zeros(b, bool)
         mask[a:b] = True
         meta = dict(s.meta, turns=[first + k, first + k + 1], finish=s.meta["finish"][k : k + 1])
-        meta["prompt"] = s.meta["prompt"][: (1 if s.meta["prompt"][0]["role"] == "system" else 0) + k + 1]
+        meta["prompt"] = s.meta["prompt"][: system + before + k + 1]
         out.append(Sample(f"{s.meta['conversation_id']}#t{first + k}", s.input_ids[:b].copy(), mask, meta))
     return out
+
+
+History = list[tuple[str, list[int]]]  # (user text, answer ids) of a conversation's first turns, in order
+
+
+def _manifest_sha256(path: str) -> str:
+    return hashlib.sha256((Path(path) / "manifest.json").read_bytes()).hexdigest()
+
+
+def read_histories(
+    cfg: RegenConfig, template: ChatTemplate, ids: set[str]
+) -> dict[str, tuple[list[str | None], History] | None]:
+    """The answered turns that the `continue_from` datasets (both splits) hold of the conversations `ids`: per
+    conversation id, the system prompt each of its samples names and the (user text, answer ids) of turns
+    0..K-1; None where those samples are not one chain from turn 0 (a turn missing: dropped there; two
+    answers of one turn; a sample cut at --max-length; a turn without its answer)."""
+    from flashdraft.data.dataset import DEFAULT_SPLIT_SALT, SPLITS, DatasetError, open_dataset
+
+    found: dict[str, dict[tuple[int, int, bytes], Sample]] = {}  # conversation id -> its samples
+    for path in cfg.continue_from:
+        try:
+            manifest = open_dataset(path, "train").manifest
+        except DatasetError as e:
+            raise RegenError(f"--continue-from {path}: {e}") from None
+        if manifest.get("template") != template.describe():
+            raise RegenError(
+                f"--continue-from {path}: written with another chat template, thinking setting or stop ids than "
+                "this run's target: its answers cannot be this target's history"
+            )
+        split = manifest.get("split", {})
+        if (split.get("eval_fraction"), split.get("salt")) != (cfg.eval_fraction, DEFAULT_SPLIT_SALT):
+            raise RegenError(
+                f"--continue-from {path}: split with eval fraction {split.get('eval_fraction')} (salt "
+                f"{split.get('salt')!r}): pass --eval-fraction {split.get('eval_fraction')} so every conversation "
+                "keeps its split"
+            )
+        if manifest.get("target") != cfg.target:
+            log.warning("--continue-from %s: written with target %r, this run's is %r", path,
+                        manifest.get("target"), cfg.target)  # fmt: skip
+        for name in SPLITS:
+            for s in open_dataset(path, name):
+                if s.conversation_id in ids:  # the same sample in two datasets counts once
+                    key = (*s.meta["turns"], s.input_ids.tobytes())
+                    found.setdefault(s.conversation_id, {})[key] = s
+    return {
+        cid: _chain(sorted(samples.values(), key=lambda s: s.meta["turns"])) for cid, samples in found.items()
+    }
+
+
+def _chain(samples: list[Sample]) -> tuple[list[str | None], History] | None:
+    """The system prompts and (user text, answer ids) of samples that answer turns 0..K-1 once each, in order."""
+    systems: list[str | None] = []
+    history: History = []
+    for s in samples:
+        first, last = s.meta["turns"]
+        runs = _loss_runs(s.loss_mask)
+        users = [m["content"] for m in s.meta["prompt"] if m["role"] == "user"][-(last - first) :]
+        if first != len(history) or s.meta.get("truncated") or not len(runs) == len(users) == last - first:
+            return None
+        systems.append(next((m["content"] for m in s.meta["prompt"] if m["role"] == "system"), None))
+        history += [(u, s.input_ids[a:b].tolist()) for u, (a, b) in zip(users, runs, strict=True)]
+    return systems, history
+
+
+def continue_conversations(
+    convs: list[Conversation], cfg: RegenConfig, template: ChatTemplate
+) -> tuple[list[Conversation], dict[str, History], Counter[str]]:
+    """The conversations that `continue_from` answered from turn 0 and that have user turns left, each with
+    its history; the others are counted by reason: `continue_no_history` (absent there),
+    `continue_history_gap` (not one chain from turn 0: see `read_histories`), `continue_history_mismatch`
+    (its user texts or system prompt are not this conversation's), `continue_nothing_left`."""
+    found = read_histories(cfg, template, {c.id for c in convs})
+    drops: Counter[str] = Counter()
+    kept: list[Conversation] = []
+    histories: dict[str, History] = {}
+    for c in convs:
+        if c.id not in found:
+            drops["continue_no_history"] += 1
+            continue
+        h = found[c.id]
+        if h is None:
+            drops["continue_history_gap"] += 1
+            continue
+        systems, history = h
+        users = c.user_turns
+        n = min(len(history), len(users))
+        if any(s != c.system for s in systems) or [u for u, _ in history[:n]] != users[:n]:
+            drops["continue_history_mismatch"] += 1
+        elif len(history) >= len(users):
+            drops["continue_nothing_left"] += 1
+        else:
+            kept.append(c)
+            histories[c.id] = history
+    return kept, histories, drops
 
 
 class _Progress:
@@ -218,9 +336,11 @@ class _Progress:
 
 def regenerate_shard(
     convs: list[Conversation], template: ChatTemplate, generator: Generator, cfg: RegenConfig, shard: int,
-    progress: _Progress | None = None, drops: Counter[str] | None = None,
+    progress: _Progress | None = None, drops: Counter[str] | None = None, history: dict[str, History] | None = None,
 ) -> list[Sample]:  # fmt: skip
-    """Answer every user turn of the shard's conversations, each given its regenerated history.
+    """Answer every user turn of the shard's conversations, each given its regenerated history; a conversation
+    with a `history` (its first turns, answered earlier) from the turn after it, given those answers as history
+    (in no sample's loss).
     `drops` counts what `max_length` left out: conversations whose first prompt is already that long
     (`conversation_over_max_length`) and later user turns whose prompt reached it (`turns_over_max_length`).
 
@@ -228,7 +348,11 @@ def regenerate_shard(
     the running batch as soon as its previous answer is done, longest conversations first, so the
     rows stay busy through a shard's multi-turn tail. Otherwise turn-synchronous: turn 0 of every
     conversation in one batched call, then turn 1, ..."""
-    builders = [ConversationBuilder(template, c, max_length=cfg.max_length) for c in convs]
+    history = history or {}
+    builders = [
+        ConversationBuilder(template, c, max_length=cfg.max_length, history=history.get(c.id, []))
+        for c in convs
+    ]
     if getattr(generator, "follows_up", False):
         _regenerate_async(builders, generator, cfg.seed * 1_000_003 + shard * 1_009, cfg.max_length, progress)
     else:
@@ -238,7 +362,7 @@ def regenerate_shard(
         for b in builders:
             if b.stopped_early and b.turn == 0:
                 drops["conversation_over_max_length"] += 1
-            elif b.stopped_early:
+            elif b.stopped_early:  # a continued conversation's first prompt too: its history reached it
                 drops["turns_over_max_length"] += len(b.conversation.user_turns) - b.turn
     if cfg.split_turns:
         samples = [t for s in samples for t in split_by_turn(s)]
@@ -345,13 +469,17 @@ def regenerate(
                 "(pass --contamination none to keep them)", spec,
             )  # fmt: skip
     convs, drops, stats = collect_conversations(cfg)  # input errors stop here, before anything is written
+    history: dict[str, History] = {}
+    if cfg.continue_from:
+        convs, history, continue_drops = continue_conversations(convs, cfg, template)
+        drops += continue_drops
     if not convs:
         raise RegenError(f"no usable conversations in {', '.join(cfg.inputs)} (dropped {dict(drops)})")
     work = out.with_name(out.name + ".partial")
     created = not work.exists()
     work.mkdir(parents=True, exist_ok=True)
     try:
-        return _regenerate_in(work, convs, drops, stats, cfg, template, generator, t0, manifest_extra,
+        return _regenerate_in(work, convs, history, drops, stats, cfg, template, generator, t0, manifest_extra,
                               overwrite, keep_partial)  # fmt: skip
     except BaseException as e:
         # what this run created goes, unless it holds finished shards a rerun resumes from (an interruption,
@@ -363,8 +491,8 @@ def regenerate(
 
 
 def _regenerate_in(
-    work: Path, convs: list[Conversation], drops: Counter[str], stats: SourceStats, cfg: RegenConfig,
-    template: ChatTemplate, generator: Generator, t0: float, manifest_extra: dict[str, Any] | None,
+    work: Path, convs: list[Conversation], history: dict[str, History], drops: Counter[str], stats: SourceStats,
+    cfg: RegenConfig, template: ChatTemplate, generator: Generator, t0: float, manifest_extra: dict[str, Any] | None,
     overwrite: bool, keep_partial: bool,
 ) -> RegenResult:  # fmt: skip
     out = Path(cfg.out)
@@ -386,8 +514,12 @@ def _regenerate_in(
     shards = [convs[k : k + cfg.shard_size] for k in range(0, len(convs), cfg.shard_size)]
     path_of = [work / f"shard-{k:05d}.parquet" for k in range(len(shards))]
     finished = [p.exists() for p in path_of]
-    done_turns = sum(len(c.user_turns) for sh, f in zip(shards, finished, strict=True) if f for c in sh)
-    progress = _Progress(sum(len(c.user_turns) for c in convs), done_turns)
+
+    def turns(c: Conversation) -> int:  # to answer here
+        return len(c.user_turns) - len(history.get(c.id, []))
+
+    done_turns = sum(turns(c) for sh, f in zip(shards, finished, strict=True) if f for c in sh)
+    progress = _Progress(sum(turns(c) for c in convs), done_turns)
     slowest = 0.0  # seconds of the slowest shard of this run: the forecast for the next one
     try:
         for k, sh in enumerate(shards):
@@ -401,7 +533,7 @@ def _regenerate_in(
                 break
             t_shard = time.perf_counter()
             shard_drops: Counter[str] = Counter()
-            samples = regenerate_shard(sh, template, generator, cfg, k, progress, shard_drops)
+            samples = regenerate_shard(sh, template, generator, cfg, k, progress, shard_drops, history)
             slowest = max(slowest, time.perf_counter() - t_shard)
             atomic_write_text(_drops_file(path_of[k]), json.dumps(dict(shard_drops)))
             tmp = path_of[k].with_suffix(".tmp")
@@ -423,13 +555,13 @@ def _regenerate_in(
             f"prompt shorter than --max-length {cfg.max_length} and {min_loss} answer tokens (2 x --block-size) "
             "inside it: raise --max-length or --max-new-tokens"
         )
-    extra = {
+    extra: dict[str, Any] = {
         "target": cfg.target,
         "template": template.describe(),
         "generation": {
             k: v
             for k, v in asdict(cfg).items()
-            if k not in ("out", "inputs", "contamination_sources", "time_limit_s")
+            if k not in ("out", "inputs", "contamination_sources", "time_limit_s", "continue_from")
         },
         "sources": cfg.inputs,
         "conversations": sum(len(sh) for sh, p in zip(shards, path_of, strict=True) if p.exists()),
@@ -438,6 +570,10 @@ def _regenerate_in(
         "bad_input_examples": [str(b) for b in stats.bad[:20]],
         **(manifest_extra or {}),
     }
+    if cfg.continue_from:  # what the histories were read from
+        extra["continue_from"] = [
+            {"path": p, "manifest_sha256": _manifest_sha256(p)} for p in cfg.continue_from
+        ]
     manifest = write_dataset(
         all_samples, out, manifest_extra=extra, eval_fraction=cfg.eval_fraction, max_length=cfg.max_length,
         min_loss_tokens=2 * cfg.block_size, contamination_sources=cfg.contamination_sources, dropped=dict(drops),

@@ -61,3 +61,32 @@ def test_regenerate_then_inspect(tmp_path):
 
     r = runner.invoke(app, ["data", "sources"])
     assert r.exit_code == 0 and "sharegpt" in r.output and "humaneval" in r.output
+
+
+def test_regenerate_continue_from(tmp_path):
+    """--continue-from (repeatable) reaches the config: turn 1 of two-turn chats whose turn 0 a first run
+    answered; a folder that is no dataset is one error line naming it."""
+    folder = tmp_path / "tiny"
+    tiny_target("llama", vocab=320).model.save_pretrained(folder)
+    make_tokenizer("chatml").save_pretrained(folder)
+    chats = tmp_path / "c.jsonl"
+    chats.write_text("".join(
+        json.dumps({"id": f"c{i}", "messages": [{"role": "user", "content": f"Tell me a joke number {i}."},
+                                                {"role": "user", "content": "Another one."}]}) + "\n"
+        for i in range(4)
+    ))  # fmt: skip
+    runner = CliRunner()
+    args = ["data", "regenerate", "--target", str(folder), "--input", f"messages:{chats}", "--max-new-tokens", "8",
+            "--block-size", "2", "--contamination", "none"]  # fmt: skip
+    r = runner.invoke(app, [*args, "--out", str(tmp_path / "first"), "--max-turns", "1"])
+    assert r.exit_code == 0, r.output
+    more = [*args, "--out", str(tmp_path / "second"), "--continue-from", str(tmp_path / "first")]
+    r = runner.invoke(app, [*more, "--continue-from", str(tmp_path / "first")])
+    assert r.exit_code == 0, r.output
+    m = json.loads((tmp_path / "second" / "manifest.json").read_text())
+    assert [c["path"] for c in m["continue_from"]] == [str(tmp_path / "first")] * 2
+    counts = m["counts"]["train"] + m["counts"]["eval"]
+    assert counts == 4 and "dropped" in m and not m["dropped"]
+    r = runner.invoke(app, [*more[:-1], str(tmp_path / "nowhere"), "--overwrite"])
+    assert r.exit_code == 2 and r.stderr.splitlines()[-1].startswith("error: --continue-from ")
+    assert str(tmp_path / "nowhere") in r.stderr
