@@ -64,6 +64,7 @@ def test_dry_run_commands_parse_with_the_cli(capsys: pytest.CaptureFixture[str])
     )
     assert regen["time_limit"] == 3.0 and regen["device"] == "cuda" and regen["engine"] == "native"
     assert regen["max_batch_tokens"] == 2_500_000 and regen["shard_size"] == 1024 and regen["skip"] == 0
+    assert regen["continue_from"] == []
     merge = _parse(cmd["merge"])
     assert merge["inputs"] == ["/c/prev", "/w/new"] and merge["out"] == "/w/data"
     assert merge["contamination"] == [f"humaneval:{HE}"]
@@ -439,3 +440,11 @@ def test_a_failed_phase_s_minutes_are_saved_and_reported(
     assert cs.main(argv) == 2
     assert json.loads((work / "state.json").read_text())["minutes"]["regen"] == 3.05
     assert json.loads((out / "stint.json").read_text())["gpu_minutes"] == 3.05
+
+
+def test_continue_from_reaches_the_regeneration(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--stint", "6", "--max-turns", "8", "--skip", "10240", "--continue-from", "/p/s3", "--continue-from", "/p/s4",
+            "--phases", "regen", "--work", "/w", "--dry-run"]  # fmt: skip
+    assert cs.main(argv) == 0
+    regen = _parse(json.loads(capsys.readouterr().out)["regen"])
+    assert regen["continue_from"] == ["/p/s3", "/p/s4"] and (regen["max_turns"], regen["skip"]) == (8, 10240)

@@ -152,6 +152,8 @@ def regen_args(a: argparse.Namespace, plan: StintPlan, out: Path, minutes: float
     ]  # fmt: skip
     for spec in a.input:
         args += ["--input", check_training_input(spec)]
+    for path in a.continue_from:
+        args += ["--continue-from", path]
     return args
 
 
@@ -505,6 +507,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--max-turns", type=int, default=None, help="instead of the stint's: user turns answered")
     p.add_argument("--skip", type=int, default=0, help="regenerate from the (N+1)-th conversation on")
+    p.add_argument(
+        "--continue-from", action="append", default=[],
+        help="an earlier stint's dataset (carried; repeatable): answer only the later turns of the conversations it "
+        "answered, given its answers as history (`flashdraft data regenerate --continue-from`)",
+    )  # fmt: skip
     p.add_argument(
         "--max-batch-tokens", type=int, default=2_500_000,
         help="regeneration's rows x (max length + new tokens) per batch: a KV cache of ~23 KB a token for "

@@ -175,3 +175,21 @@ def test_split_turns_of_a_continued_sample_lists_the_history_prompts():
     assert [p.id for p in parts] == ["c#t2", "c#t3"]
     assert [p.meta["prompt"] for p in parts] == [users[:3], users[:4]]
     assert [p.meta["turns"] for p in parts] == [[2, 3], [3, 4]] and parts[1].meta["finish"] == ["length"]
+
+
+def test_continue_turns_script_counts_what_a_continuation_would_answer(tmp_path, target, tpl, monkeypatch, capsys):
+    """benchmarks/continue_turns.py: the conversations and turns `--continue-from` would take, before a GPU runs."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "continue_turns.py"
+    spec = importlib.util.spec_from_file_location("continue_turns", path)
+    ct = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(ct)  # type: ignore[union-attr]
+    _run(tmp_path, target, tpl, "A", 2)
+    monkeypatch.setattr(ct, "load_tokenizer", lambda _: make_tokenizer("chatml"))
+    ct.main(["--input", _inputs(tmp_path), "--max-turns", "4", str(tmp_path / "A")])
+    # c0 (5 turns, cut to 4), c3, c4, c5 have 2, 2, 1, 2 turns after A's two; c1 and c2 have none left
+    assert capsys.readouterr().out.strip() == (
+        "6 conversations read; 4 continued, 7 user turns to answer; skipped {'continue_nothing_left': 2}"
+    )
