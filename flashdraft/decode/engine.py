@@ -707,9 +707,10 @@ def generate(
     need = max_len or max(2048, n + max_new_tokens)
     key = (id(target), id(drafter))
     eng = _ENGINE.get("engine")
-    if eng is not None and kwargs.get("method") == "ar" and _ENGINE["key"][0] == id(target):
-        key = _ENGINE["key"]  # AR needs no drafter: the engine of this target serves it, whichever drafter it holds
-    if eng is None or _ENGINE.get("key") != key or eng.max_len < n + max_new_tokens:
+    fits = eng is not None and eng.max_len >= n + max_new_tokens
+    # AR needs no drafter: a kept engine of this target serves it, whichever drafter that engine holds
+    ar_reuse = fits and kwargs.get("method") == "ar" and _ENGINE["key"][0] == id(target)
+    if not ar_reuse and (not fits or _ENGINE.get("key") != key):
         _ENGINE.clear()
         eng = FastEngine(target, drafter, max_len=need)
         _ENGINE.update(engine=eng, key=key)

@@ -158,6 +158,11 @@ def test_generate_keeps_one_engine_when_ar_and_drafted_calls_alternate(fast_engi
         if method == "ar":
             assert res.tokens == ar_alone.tokens
     assert len(fast_engine_builds) == 1
+    # an AR call the kept engine is too short for builds its own, drafterless; the next drafted call builds again
+    chain = fast.generate(target, drafter, prompt, max_new_tokens=12, method="chain")
+    fast.generate(target, None, prompt, max_new_tokens=2100, method="ar")
+    assert fast.generate(target, drafter, prompt, max_new_tokens=12, method="chain").tokens == chain.tokens
+    assert len(fast_engine_builds) == 3
 
 
 def test_native_support_refuses_other_families():
