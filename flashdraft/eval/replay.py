@@ -176,10 +176,8 @@ class TreeWalk:
         heap, lp, scores, k = self.heap, self.lp, self.scores, self.k
         pop, push, replace = heapq.heappop, heapq.heappush, heapq.heapreplace
         while heap and len(scores) < budget:
-            if self.edge:
-                return (
-                    NEED_WIDTH  # the full lists would have pushed a sibling of rank k: later pops may differ
-                )
+            if self.edge:  # the full lists would have pushed a sibling of rank k: later pops may differ
+                return NEED_WIDTH
             neg, depth, rank, parent, parent_neg = heap[0]
             if rank + 1 < k:  # the next sibling: −(parent score + lp) as −parent score − lp, the same float
                 replace(heap, (parent_neg - lp[depth - 1][rank + 1], depth, rank + 1, parent, parent_neg))
@@ -231,7 +229,8 @@ def accept(
 
     None when `rows` holds too few slots to decide, NEED_WIDTH when a DDTree needs more of each
     slot's top-K than `rows` holds (the caller computes the rest and asks again).
-    DDTree methods of one start share one build at `tree_budget` (>= every budget) through `shared`.
+    DDTree methods of one start share one TreeWalk through `shared`, its lists cut at `tree_budget` (>= every
+    budget) ranks, popped as far as the largest budget that has asked.
     """
     have = len(rows.argmax)
     comparable = min(len(ref), rows.num_slots)
