@@ -4,6 +4,7 @@ yardstick references, the shipped drafter, float32.
 
     python benchmarks/eval_tree_walks.py --limit 12                 # the first 12 HumanEval yardstick problems
     python benchmarks/eval_tree_walks.py --references benchmarks/yardstick/sharegpt-heldout-100.jsonl --limit 8
+    WALKS=164 NEW=… bash benchmarks/gpu/call7_stint_eval.sh      # on a CUDA host, after a stint's evals
 
 On a GPU the drafter and target passes are cheap and the walks (host Python) are a large part of an eval; on a CPU
 the passes dominate, so read the walk seconds, not the totals. Every τ and surrogate must agree between the two.
@@ -61,12 +62,13 @@ def timed_eval(target, drafter, frozen, full_depth: bool) -> tuple[dict, float, 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", default="default", help="a target folder (default: the GGUF default target)")
     ap.add_argument("--references", default=str(REPO / "benchmarks/yardstick/humaneval-164.jsonl"))
     ap.add_argument("--drafter", default=str(REPO / "models/smollm2-135m-instruct-dflash-b16"))
     ap.add_argument("--limit", type=int, default=12)
     ap.add_argument("--device", default="cpu")
     a = ap.parse_args()
-    target = load_target(dtype=torch.float32, device=a.device)
+    target = load_target(a.target, dtype=torch.float32, device=a.device)
     drafter = DFlashDrafter.from_pretrained(a.drafter).to(device=a.device, dtype=torch.float32).eval()
     frozen = read_frozen(a.references, a.limit)
     rows = []

@@ -408,5 +408,18 @@ def test_call7_stint_eval_scores_both_drafters_and_sends_one_tar(tmp_path: Path)
     assert calls[-1][:3] == [*FD, "bench"] and bench["tau_report"] == str(
         out / "evals/humaneval-164/report.json"
     )
+    assert not any(c[0] == "benchmarks/eval_tree_walks.py" for c in calls)  # only with WALKS
     # a device call sends back at most 8 files: the log and one tar
     assert sorted(p.name for p in out.iterdir()) == ["stint_eval.log", "stint_eval.tar"]
+
+
+def test_call7_with_walks_times_the_replay_walks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = run_script(tmp_path, "call7_stint_eval.sh", NEW="new-drafter", WALKS="164")
+    assert calls[-1][0] == "benchmarks/eval_tree_walks.py"
+    ns = parse_script(calls[-1], monkeypatch)
+    assert (ns.target, ns.drafter, ns.limit, ns.device) == (
+        str(tmp_path / "gpu" / "work" / "smollm2-fp32"),
+        "new-drafter",
+        164,
+        "cuda",
+    )

@@ -5,7 +5,9 @@
 #   2. HumanEval at T = 1 (the first T1_LIMIT=32 problems, seeded sampled references computed in one batch; all 164
 #      did not finish in 120 s on an H100, 2026-12-06), DDTree-32 and -512;
 #   3. `flashdraft bench`: AR, auto, the chain and DDTree budgets, bf16, batch 1, 256 new tokens, 8 HumanEval
-#      problems, NEW's τ per budget from step 1's report (the entry of NEW's weights).
+#      problems, NEW's τ per budget from step 1's report (the entry of NEW's weights);
+#   4. with WALKS=N: benchmarks/eval_tree_walks.py on the first N HumanEval yardstick problems (the replay's DDTree
+#      walks popped to the largest budget at every start vs only as far as asked, in one run).
 # The target is the GGUF dequantized to float32 for 1–2 (save_target.py, once per machine), bf16 for 3.
 #   NEW=$WORK/stint-K/drafter-bf16 bash benchmarks/gpu/call7_stint_eval.sh
 # $OUT/stint_eval.tar (evals/{humaneval-164,sharegpt-heldout-100,humaneval-164-t1}/report.{json,md}, bench/) and
@@ -39,6 +41,12 @@ ev() {  # name, timeout, then eval flags
     --methods ar,auto,chain,ddtree:8,ddtree:32,ddtree:128,ddtree:512 --tau-report $E/humaneval-164/report.json \
     --no-progress --out $OUT/bench 2>&1 | grep -v "^Convert\|^Loading"
   echo "[bench: $((SECONDS - t0)) s]"
+  if [ -n "${WALKS:-}" ]; then  # the replay's DDTree walks both ways, NEW on the first WALKS HumanEval problems
+    t0=$SECONDS
+    timeout "${WALKS_TIMEOUT:-240}" python3 benchmarks/eval_tree_walks.py --target $F32 --drafter $NEW \
+      --limit "$WALKS" --device cuda 2>&1 | grep -v "^Convert\|^Loading"
+    echo "[walks: $((SECONDS - t0)) s]"
+  fi
 } 2>&1 | tee $OUT/stint_eval.log
 # a device call sends back at most 8 files: the reports travel as one tar (the plots stay behind)
 mkdir -p $E $OUT/bench
