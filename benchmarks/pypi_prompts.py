@@ -174,8 +174,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.out.exists() and not args.overwrite:
         sys.exit(f"error: {args.out} exists (pass --overwrite to replace it)")
     args.wheels.mkdir(parents=True, exist_ok=True)
-    download(args.wheels)
-    records, counts = gather(args.wheels)
+    try:
+        download(args.wheels)
+        records, counts = gather(args.wheels)
+    except (FileNotFoundError, ValueError, KeyError, subprocess.CalledProcessError) as e:
+        sys.exit(f"error: {e}")  # a wheel missing or not laid out as read here: one line
     data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode()
     atomic_write_bytes(args.out, gzip.compress(data, mtime=0) if args.out.suffix == ".gz" else data)
     print("| source | wheel | licence | prompts | new distinct |\n|---|---|---|---:|---:|")
