@@ -25,6 +25,7 @@ from flashdraft.data.regenerate import (  # noqa: E402
     load_tokenizer,
 )
 from flashdraft.data.template import ChatTemplate  # noqa: E402
+from flashdraft.errors import UserError  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -35,15 +36,21 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-turns", type=int, default=None)
     ap.add_argument("--target", default="default", help="whose tokenizer renders the chat template")
     a = ap.parse_args(argv)
-    manifest = json.loads((Path(a.datasets[0]) / "manifest.json").read_text())
+    try:
+        manifest = json.loads((Path(a.datasets[0]) / "manifest.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        sys.exit(f"error: {a.datasets[0]}: not a dataset ({e})")
     recorded = manifest["template"]
     template = ChatTemplate(load_tokenizer(a.target), enable_thinking=recorded.get("enable_thinking"),
                             stop_ids=recorded["stop_ids"])  # fmt: skip
     cfg = RegenConfig(inputs=a.input, out="/dev/null", target=manifest.get("target", a.target), skip=a.skip,
                       max_turns=a.max_turns, continue_from=a.datasets,
                       eval_fraction=manifest["split"]["eval_fraction"])  # fmt: skip
-    convs, _, _ = collect_conversations(cfg)
-    kept, histories, drops = continue_conversations(convs, cfg, template)
+    try:
+        convs, _, _ = collect_conversations(cfg)
+        kept, histories, drops = continue_conversations(convs, cfg, template)
+    except UserError as e:
+        sys.exit(f"error: {e}")
     left = sum(len(c.user_turns) - len(histories[c.id]) for c in kept)
     print(f"{len(convs):,} conversations read; {len(kept):,} continued, {left:,} user turns to answer; "
           f"skipped {dict(drops)}")  # fmt: skip
