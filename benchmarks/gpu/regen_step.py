@@ -1,0 +1,195 @@
+"""Where regeneration's decode step goes, and which attention kernel makes it fastest, in one run.
+
+    python3 benchmarks/gpu/regen_step.py $WORK/smollm2-bf16 --out $OUT/regen_step.json
+    python benchmarks/gpu/regen_step.py random-tiny --device cpu --rows 4 --spans 256 --prompts 6 --new 8 \
+        --out s.json                                                                          # smoke run
+
+The native regeneration engine (`flashdraft.data.native.BatchedNativeTarget`) decodes `--rows` sequences per step
+over a static cache; under continuous batching the rows' lengths spread between their prompt's and the longest
+row's (the span the step reads). For each span in `--spans`, rows at lengths drawn uniformly from [span / 8, span)
+(the longest at span − 1), the cache filled with random K/V, the median time of one step (a CUDA-graph replay, as
+regeneration runs it) for each attention variant:
+- `sdpa`: the default (`attention="sdpa"`; SDPA picks its kernel), and SDPA pinned to each of its backends
+  (`sdpa:efficient`, `sdpa:cudnn`, `sdpa:math`, where they run);
+- `flex`: `attention="flex"` (flex_attention's decoding kernel over a BlockMask of each row's own blocks);
+- `no-attention`: the step with attention replaced by a copy of the query: what the rest of the step costs.
+Each variant's logits against `sdpa`'s at the same state: max |Δlogit| and argmax agreement.
+Then end to end: `native_generate` on `--prompts` random-token prompts (lengths uniform in [32, --max-prompt]),
+`--new` tokens each, no stop token, for `sdpa` and `flex`: generated tokens/s and whether the ids agree.
+`pick` in the JSON: the attention regeneration should use (`pick`). Prints a table; writes JSON after each stage (a run cut by `timeout` keeps what it measured).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # phase_timing
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # random_targets
+
+from phase_timing import median_ms  # noqa: E402
+from random_targets import SHAPES, random_target  # noqa: E402
+
+from flashdraft.data.loop import GenerationParams  # noqa: E402
+from flashdraft.data.native import BatchedNativeTarget, native_generate  # noqa: E402
+from flashdraft.target import load_target  # noqa: E402
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def sdpa_backend(name: str) -> Any:
+    """A context pinning SDPA to one backend ("" = SDPA's own choice)."""
+    if not name:
+        return nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([{"efficient": SDPBackend.EFFICIENT_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+                         "math": SDPBackend.MATH}[name]])  # fmt: skip
+
+
+def no_attention(self: BatchedNativeTarget, lengths: torch.Tensor, span: int, dtype: torch.dtype) -> Any:
+    return lambda q, k, v, scale: q[:, :, 0].clone()
+
+
+def time_variant(
+    target: Any, variant: str, rows: int, span: int, lengths: torch.Tensor, ids: torch.Tensor, reps: int
+) -> tuple[float, torch.Tensor]:
+    """The median ms of one step at this state, and the step's logits (float32, on the host)."""
+    kind, _, backend = variant.partition(":")
+    net = BatchedNativeTarget(target, rows, span, attention="flex" if kind == "flex" else "sdpa")
+    if kind == "no-attention":
+        net._attention = no_attention.__get__(net)  # type: ignore[method-assign]
+    gen = torch.Generator(device=net.cache.device).manual_seed(0)
+    net.cache.normal_(generator=gen).mul_(0.5)
+    cuda = target.device.type == "cuda"
+    with sdpa_backend(backend):
+        run = (
+            (lambda: net.step_graphed(ids, lengths, span)) if cuda else (lambda: net.step(ids, lengths, span))
+        )
+        logits = run().float().cpu()
+        ms = median_ms(run, reps, warmup=3, cuda=cuda)
+    return ms, logits  # the net (its cache and graphs) goes with this frame
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("target", help="a target folder, or random-smollm2 / random-tiny (random weights)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--rows", type=int, default=512)
+    ap.add_argument("--spans", default="512,1024,1536")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--prompts", type=int, default=2048, help="end to end: random-token prompts (0: skip)")
+    ap.add_argument("--max-prompt", type=int, default=768)
+    ap.add_argument("--new", type=int, default=256)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    args = ap.parse_args(argv)
+    if Path(args.out).exists() and not args.overwrite:
+        raise SystemExit(f"--out {args.out} exists: pass --overwrite to replace it")
+    dev = torch.device(args.device)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    target = (
+        random_target(args.target, dev, dtype) if args.target in SHAPES
+        else load_target(args.target, device=str(dev), dtype=dtype)
+    )  # fmt: skip
+    out: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu ({os.cpu_count()} cores)",
+        "torch": torch.__version__, "target": args.target, "dtype": str(dtype), "rows": args.rows,
+        "date": time.strftime("%Y-%m-%d"), "steps": [], "generate": [],
+    }  # fmt: skip
+    save = lambda: Path(args.out).write_text(json.dumps(out, indent=1))  # noqa: E731
+    variants = ["sdpa", "flex", "no-attention"]
+    if dev.type == "cuda":
+        variants[1:1] = ["sdpa:efficient", "sdpa:cudnn", "sdpa:math"]
+    g = torch.Generator().manual_seed(0)
+    vocab = target.model.config.vocab_size
+    log(f"{out['device']}, {args.target}, {dtype}, {args.rows} rows")
+    log(f"{'span':>5} {'variant':<15} {'ms/step':>8} {'× sdpa':>7} {'max|Δlogit|':>11} {'argmax =':>8}")
+    for span in [int(s) for s in args.spans.split(",")]:
+        lengths = torch.randint(span // 8, span, (args.rows,), generator=g)
+        lengths[0] = span - 1
+        ids = torch.randint(0, vocab, (args.rows,), generator=g)
+        lengths, ids = lengths.to(dev), ids.to(dev)
+        base_ms, base = None, None
+        for variant in variants:
+            try:
+                ms, logits = time_variant(target, variant, args.rows, span, lengths, ids, args.reps)
+                if dev.type == "cuda":
+                    torch.cuda.empty_cache()
+            except Exception as e:  # a backend that does not take these shapes: say so, go on
+                log(f"{span:>5} {variant:<15} failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+                out["steps"].append(
+                    {"span": span, "variant": variant, "error": f"{type(e).__name__}: {e}"[:500]}
+                )
+                continue
+            if base is None:
+                base_ms, base = ms, logits
+            row = {"span": span, "variant": variant, "ms": round(ms, 3), "vs_sdpa": round(ms / base_ms, 3)}
+            if variant != "no-attention":
+                row["max_abs_dlogit"] = float((logits - base).abs().max())
+                row["argmax_agree"] = float((logits.argmax(-1) == base.argmax(-1)).float().mean())
+            out["steps"].append(row)
+            save()
+            log(f"{span:>5} {variant:<15} {ms:>8.3f} {ms / base_ms:>7.2f} {row.get('max_abs_dlogit', float('nan')):>11.3g} "
+                f"{row.get('argmax_agree', float('nan')):>8.3f}")  # fmt: skip
+    if args.prompts:
+        lens = torch.randint(32, args.max_prompt + 1, (args.prompts,), generator=g).tolist()
+        prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lens]
+        params = GenerationParams(max_new_tokens=args.new, stop_ids=[])
+        ids_by: dict[str, list[list[int]]] = {}
+        log(f"end to end: {args.prompts} prompts of 32–{args.max_prompt} tokens, {args.new} new tokens each")
+        for attention in ("sdpa", "flex"):
+            native_generate(target, prompts[: args.rows], params, seed=0, rows=args.rows, attention=attention)
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            gens = native_generate(target, prompts, params, seed=0, rows=args.rows, attention=attention)
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            s = time.perf_counter() - t0
+            ids_by[attention] = [gen.ids for gen in gens]
+            n = sum(len(x) for x in ids_by[attention])
+            row = {"attention": attention, "tokens": n, "s": round(s, 2), "tok_s": round(n / s)}
+            if attention != "sdpa":
+                row["same_ids_as_sdpa"] = sum(
+                    a == b for a, b in zip(ids_by["sdpa"], ids_by[attention], strict=True)
+                )
+            out["generate"].append(row)
+            save()
+            log(f"  {attention:<6} {n:,} tokens in {s:.1f} s: {n / s:,.0f} tok/s"
+                + (f"; {row['same_ids_as_sdpa']} of {args.prompts} sequences equal sdpa's" if attention != "sdpa" else ""))  # fmt: skip
+    out["pick"] = pick(out)
+    save()
+    log(
+        f"pick: {out['pick']} (end to end fastest of the attentions whose step argmax agreed with sdpa's on >= 99%)"
+    )
+    log(f"wrote {args.out}")
+    return out
+
+
+def pick(out: dict[str, Any]) -> str:
+    """The attention for regeneration: the fastest end to end (by 5% at least, else sdpa) among those whose step
+    logits chose sdpa's token for >= 99% of the rows at every span measured."""
+    ok = {"sdpa"} | {
+        a for a in ("flex",)
+        if all(r.get("argmax_agree", 0) >= 0.99 for r in out["steps"] if r["variant"] == a)
+        and any(r["variant"] == a for r in out["steps"])
+    }  # fmt: skip
+    rate = {r["attention"]: r["tok_s"] for r in out["generate"] if r["attention"] in ok}
+    best = max(rate, key=rate.__getitem__, default="sdpa")
+    return best if best == "sdpa" or rate[best] >= 1.05 * rate.get("sdpa", 0) else "sdpa"
+
+
+if __name__ == "__main__":
+    main()
