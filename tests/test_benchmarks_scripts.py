@@ -451,3 +451,13 @@ def test_call7_with_walks_times_the_replay_walks(tmp_path: Path, monkeypatch: py
         164,
         "cuda",
     )
+
+
+def test_call7_with_reuse_passes_each_yardstick_its_earlier_report(tmp_path: Path) -> None:
+    """REUSE=FOLDER: `--reuse FOLDER/NAME/report.json` for each yardstick that has one there, none for the rest."""
+    folder = tmp_path / "earlier"
+    (folder / "humaneval-164").mkdir(parents=True)
+    (folder / "humaneval-164" / "report.json").write_text("{}")
+    calls = run_script(tmp_path, "call7_stint_eval.sh", NEW="new-drafter", REUSE=str(folder))
+    evals = [parse_cli(c[2:]) for c in calls if c[:3] == [*FD, "eval"]]
+    assert [e["reuse"] for e in evals] == [[str(folder / "humaneval-164" / "report.json")], [], []]

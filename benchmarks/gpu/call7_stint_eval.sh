@@ -6,6 +6,9 @@
 #      did not finish in 120 s on an H100, 2026-12-06), DDTree-32 and -512;
 #   3. `flashdraft bench`: AR, auto, the chain and DDTree budgets, bf16, batch 1, 256 new tokens, 8 HumanEval
 #      problems, NEW's τ per budget from step 1's report (the entry of NEW's weights);
+#      REUSE=<a folder of earlier yardstick reports, FOLDER/NAME/report.json> takes the shipped drafter's results
+#      from there when its weights, the settings and the references are the same (`flashdraft eval --reuse`):
+#      REUSE=benchmarks/results/campaign/stint-4/yardstick after stint 4's drafter was shipped;
 #   4. with WALKS=N: benchmarks/eval_tree_walks.py on the first N HumanEval yardstick problems (the replay's DDTree
 #      walks popped to the largest budget at every start vs only as far as asked, in one run).
 # The target is the GGUF dequantized to float32 for 1–2 (save_target.py, once per machine), bf16 for 3.
@@ -31,7 +34,9 @@ ev() {  # name, timeout, then eval flags
 }
 {
   for f in humaneval-164 sharegpt-heldout-100; do
-    ev $f "${YARDSTICK_TIMEOUT:-150}" --references benchmarks/yardstick/$f.jsonl
+    reuse=()
+    [ -n "${REUSE:-}" ] && [ -f "$REUSE/$f/report.json" ] && reuse=(--reuse "$REUSE/$f/report.json")
+    ev $f "${YARDSTICK_TIMEOUT:-150}" --references benchmarks/yardstick/$f.jsonl "${reuse[@]}"
   done
   ev humaneval-164-t1 "${T1_TIMEOUT:-120}" --dataset $HE --limit "${T1_LIMIT:-32}" --temperature 1.0 \
     --budgets 32,512 --topk 8

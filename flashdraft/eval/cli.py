@@ -74,6 +74,21 @@ def drafter_names(found: list[tuple[Path, int | None]]) -> list[str]:
     return out
 
 
+def _reusable_report(path: Path):  # type: ignore[no-untyped-def]
+    """`--reuse FILE`: an earlier eval's report.json, read as data (never unpickled)."""
+    import json
+
+    from flashdraft.eval.evaluate import ReusableReport
+
+    try:
+        report = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        _fail(f"--reuse {path}: not a readable report.json ({e})")
+    if not isinstance(report, dict) or not isinstance(report.get("drafters"), dict):
+        _fail(f"--reuse {path}: not a `flashdraft eval` report (no 'drafters')")
+    return ReusableReport(str(path), report)
+
+
 def register(app: typer.Typer) -> None:
     @app.command("eval")
     def eval_cmd(
@@ -140,6 +155,12 @@ def register(app: typer.Typer) -> None:
             "--ref-engine",
             help="batched references: loop | native (default: native on CUDA, loop on CPU)",
         ),
+        reuse: list[Path] = typer.Option(
+            [],
+            "--reuse",
+            help="an earlier report.json (repeatable): a drafter it scored with the same weights (sha256), "
+            "references and settings is not replayed, its results are taken from there (greedy evals)",
+        ),
         progress: bool = typer.Option(True, help="progress bars"),
     ) -> None:
         """Offline τ (chain, DDTree budgets, top-k streak) of one or more drafters, side by side."""
@@ -160,6 +181,7 @@ def register(app: typer.Typer) -> None:
         if ref_engine is not None and ref_engine not in ("loop", "native"):
             _fail(f"--ref-engine {ref_engine!r}: use loop or native")
         b_list, k_list = _ints(budgets, "--budgets"), _ints(topk, "--topk") if topk.strip() else []
+        reusable = [_reusable_report(f) for f in reuse]  # before the target loads: a bad file fails at once
         try:  # before the target loads: beside a run on CPU the evaluator yields the cores to the trainer
             resources = WatchResources.resolve(device, threads, nice, watching=watch is not None)
         except ValueError as e:
@@ -202,7 +224,7 @@ def register(app: typer.Typer) -> None:
         kwargs = dict(
             budgets=b_list, topk=k_list, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
             cache_dir=cache_dir, server=srv, ref_batch=ref_batch, dataset=dataset, progress=progress,
-            ref_engine=ref_engine, frozen=frozen,
+            ref_engine=ref_engine, frozen=frozen, reuse=reusable,
         )  # fmt: skip
 
         if watch is not None:
@@ -225,7 +247,10 @@ def register(app: typer.Typer) -> None:
                 typer.echo(("run finished; " if res.finished else "") + f"{watch / 'eval' / 'log.jsonl'}:")
                 typer.echo(watch_table(watch))
             return
-        report = evaluate(t, models, prompts, drafter_paths={n: str(f) for n, f in resolved}, **kwargs)
+        try:
+            report = evaluate(t, models, prompts, drafter_paths={n: str(f) for n, f in resolved}, **kwargs)
+        except ValueError as e:  # a --reuse report scored on other references, among others
+            _fail(str(e))
         files = write_report(report, out or Path("eval-reports") / Path(dataset).name)
         typer.echo(markdown_table(report))
         typer.echo(f"report: {files.json} {files.markdown} " + " ".join(str(p) for p in files.plots))

@@ -117,6 +117,9 @@ class DrafterReport:
     paired: PairedComparison | None = None  # per-prompt Δτ vs the report's first drafter (None: the first)
     # of the drafter's model.safetensors: which weights the report scored (None: no such file at its path)
     weights_sha256: str | None = None
+    reused_from: str | None = (
+        None  # an earlier report whose results for these weights were taken (`reusable`)
+    )
 
 
 @dataclass
@@ -153,9 +156,66 @@ class EvalReport:
     teacher_forced_seconds: float
     slot_stride: int = 4  # unconditional per-slot accuracy uses every slot_stride-th chain round
     notes: list[str] = field(default_factory=list)
+    target_fingerprint: str | None = None  # flashdraft.target.target_fingerprint of the target replayed on
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+@dataclass
+class ReusableReport:
+    """An earlier report (`EvalReport.to_dict()`, read from its report.json) whose drafters' results a new
+    evaluation may take instead of replaying them: `evaluate(reuse=[...])`, `flashdraft eval --reuse`."""
+
+    path: str
+    report: dict[str, Any]
+
+
+def reuse_mismatch(old: dict[str, Any], want: dict[str, Any]) -> str | None:
+    """Why an earlier report's results cannot stand for this evaluation's (None: they can). Greedy only (a sampled
+    eval's references depend on its seed and engine); the same dataset, reference length, methods, slot stride,
+    dtype and device type; the same target (by fingerprint, or by name for a report that has none). The replayed
+    tokens themselves are compared per prompt once this evaluation has its references (`_reused`)."""
+    if want["temperature"] != 0 or old.get("temperature") != 0:
+        return "only greedy (temperature 0) results are reused"
+    for key in ("dataset", "max_new_tokens", "dtype", "slot_stride"):
+        if old.get(key) != want[key]:
+            return f"{key} {old.get(key)!r}, this eval's {want[key]!r}"
+    if sorted(old.get("methods", [])) != sorted(want["methods"]):
+        return f"methods {','.join(old.get('methods', []))}, this eval's {','.join(want['methods'])}"
+    kind = str(old.get("device", "")).split(":")[0]
+    if kind != want["device"].split(":")[0]:
+        return f"device {old.get('device')!r}, this eval's {want['device']!r} (float results differ between them)"
+    if old.get("target_fingerprint") is not None:
+        if old["target_fingerprint"] != want["target_fingerprint"]:
+            return (
+                f"target fingerprint {old['target_fingerprint']}, this target's {want['target_fingerprint']}"
+            )
+    elif old.get("target") != want["target"]:
+        return f"target {old.get('target')!r}, this eval's {want['target']!r}"
+    return None
+
+
+def _reuse_refused(entry: dict[str, Any], replayed: dict[str, int]) -> str | None:
+    """Why an earlier report's results were not made on this evaluation's references (None: they were): the
+    same prompts must have a round, each with the same number of replayed tokens (`replayed`: id → tokens)."""
+    had = {s["id"]: s["tokens"] for s in entry["per_sample"]}
+    if had == replayed:
+        return None
+    pid = sorted(set(had.items()) ^ set(replayed.items()))[0][0]
+    return f"prompt {pid!r} replayed {had.get(pid)} reference tokens there, {replayed.get(pid)} here"
+
+
+def _reused(entry: dict[str, Any], source: str, name: str, path: str) -> DrafterReport:
+    """A DrafterReport from an earlier report's entry (report.json: NaN written as null)."""
+    nan = lambda xs: [float("nan") if x is None else x for x in xs]  # noqa: E731
+    fields = {k: v for k, v in entry.items() if k in DrafterReport.__dataclass_fields__}
+    return DrafterReport(**{
+        **fields, "name": name, "path": path, "paired": None, "reused_from": source,
+        "methods": {m: MethodSummary(**v) for m, v in entry["methods"].items()},
+        "slot_accuracy": nan(entry["slot_accuracy"]),
+        "slot_accuracy_conditional": nan(entry["slot_accuracy_conditional"]),
+    })  # fmt: skip
 
 
 def _as_prompts(prompts: list[EvalPrompt] | list[list[int]]) -> list[EvalPrompt]:
@@ -265,8 +325,13 @@ def evaluate(
     group: int = 16,
     first_slots: int = 2,
     slot_stride: int = 4,
+    reuse: list[ReusableReport] | None = None,
 ) -> EvalReport:
-    """Offline τ (chain, each DDTree budget, the top-k streak) of every drafter on `prompts`."""
+    """Offline τ (chain, each DDTree budget, the top-k streak) of every drafter on `prompts`. `reuse`: earlier
+    reports; a drafter whose weights (sha256 of its model.safetensors, `drafter_paths`) one of them scored under
+    the same settings (`reuse_mismatch`) is not replayed: its results are taken from there once this evaluation's
+    references show they were made on the same ones (the same prompts, the same replayed tokens each); where not,
+    it is replayed after all, and the report's notes say why."""
     from tqdm import tqdm
 
     t0 = time.perf_counter()
@@ -307,33 +372,66 @@ def evaluate(
     else:
         refs, computed, cached, ref_s = list(references), 0, len(references), 0.0
     source = refs[0].source if refs else "local"
+    paths = drafter_paths or {}
+    run_fingerprint = target_fingerprint(target)
+    want = {
+        "temperature": temperature, "dataset": dataset, "max_new_tokens": max_new_tokens, "slot_stride": slot_stride,
+        "dtype": str(target.dtype).removeprefix("torch."), "methods": [m.name for m in methods],
+        "device": str(target.device), "target": getattr(target, "name", "target"),
+        "target_fingerprint": run_fingerprint,
+    }  # fmt: skip
+    taken = _reusable(reuse or [], drafters, paths, want)  # name -> (report path, its entry)
     union: list[int] = []
-    for d in drafters.values():
-        union += [i for i in d.target_layer_ids if i not in union]
+    for name, d in drafters.items():
+        if name not in taken:
+            union += [i for i in d.target_layer_ids if i not in union]
+    if not union:  # every drafter reused: the references are still checked
+        union = list(next(iter(drafters.values())).target_layer_ids)
 
     results: dict[str, list[SampleResult]] = {n: [] for n in drafters}
     seconds = dict.fromkeys(drafters, 0.0)
     stats = ReferenceStats(len(refs), source, temperature, 0, computed, cached, ref_s, 0, 0, None, 0)
-    tf_s = 0.0
-    bar = tqdm(total=len(refs), desc="offline τ", disable=not progress, unit="prompt")
-    for a in range(0, len(refs), max(1, group)):
-        items: list[ReplayItem] = []
-        for ref in refs[a : a + group]:
-            items.append(_checked_item(target, ref, max_new_tokens, union, stats))
-        tf_s += sum(it.tf_seconds for it in items)
-        for name, d in drafters.items():
-            t1 = time.perf_counter()
-            results[name] += replay_batch(
-                target, d, items, methods, first_slots=first_slots, slot_stride=slot_stride
-            )
-            seconds[name] += time.perf_counter() - t1
-        bar.update(len(items))
-    bar.close()
+    replayed: dict[str, int] = {}  # prompt id -> reference tokens replayed (the prompts with a round)
+
+    def replay_pass(names: list[str], stats: ReferenceStats, desc: str) -> float:
+        """Every reference checked (into `stats`), teacher-forced once, replayed by the drafters `names`, in
+        groups; the seconds of the teacher-forced passes."""
+        tf_s = 0.0
+        bar = tqdm(total=len(refs), desc=desc, disable=not progress, unit="prompt")
+        for a in range(0, len(refs), max(1, group)):
+            items = [_checked_item(target, ref, max_new_tokens, union, stats) for ref in refs[a : a + group]]
+            tf_s += sum(it.tf_seconds for it in items)
+            replayed.update({it.id: len(it.reference) for it in items if len(it.reference) >= 2})
+            for name in names:
+                t1 = time.perf_counter()
+                results[name] += replay_batch(
+                    target, drafters[name], items, methods, first_slots=first_slots, slot_stride=slot_stride
+                )
+                seconds[name] += time.perf_counter() - t1
+            bar.update(len(items))
+        bar.close()
+        return tf_s
+
+    tf_s = replay_pass([n for n in drafters if n not in taken], stats, "offline τ")
     stats.agreement_rate = stats.agreed / stats.checked if stats.checked else None
-    paths = drafter_paths or {}
-    reports = {
-        n: summarize(n, paths.get(n, ""), d, results[n], methods, seconds[n]) for n, d in drafters.items()
-    }
+    reports: dict[str, DrafterReport] = {}
+    reuse_notes = []
+    for n, (src, entry) in taken.items():
+        why = _reuse_refused(entry, replayed)
+        if why is None:
+            reports[n] = _reused(entry, src, n, paths.get(n, ""))
+            reuse_notes.append(f"{n}: results reused from {src} (the same weights, settings and references)")
+        else:
+            reuse_notes.append(f"{n}: not reused from {src}, replayed: {why}")
+    again = [n for n in taken if n not in reports]
+    if again:  # (rare) the same settings, other references: float near-ties on another GPU, say
+        union = list(dict.fromkeys(i for n in again for i in drafters[n].target_layer_ids))
+        scratch = ReferenceStats(len(refs), source, temperature, 0, computed, cached, ref_s, 0, 0, None, 0)
+        tf_s += replay_pass(again, scratch, "offline τ (not reused)")
+    for n, d in drafters.items():
+        if n not in reports:
+            reports[n] = summarize(n, paths.get(n, ""), d, results[n], methods, seconds[n])
+    reports = {n: reports[n] for n in drafters}  # the drafters' order: the first is the baseline
     first, *later = reports
     for n in later:
         reports[n].paired = paired_comparison(
@@ -344,6 +442,7 @@ def evaluate(
         "drafter's top-K at every slot, the acceptance of a full top-K-per-slot tree), tau <= B",
     ]
     notes += frozen_notes
+    notes += reuse_notes
     if stats.divergences:
         notes.append(
             f"{len(stats.divergences)} reference tokens differ from the teacher-forced argmax "
@@ -355,5 +454,28 @@ def evaluate(
         budgets=sorted(set(budgets)), topk=[m.size for m in methods if m.kind == "topk"],
         methods=[m.name for m in methods], device=str(target.device), dtype=str(target.dtype).removeprefix("torch."),
         references=stats, drafters=reports, seconds=time.perf_counter() - t0, teacher_forced_seconds=tf_s,
-        slot_stride=slot_stride, notes=notes,
+        slot_stride=slot_stride, notes=notes, target_fingerprint=run_fingerprint,
     )  # fmt: skip
+
+
+def _reusable(
+    reuse: list[ReusableReport],
+    drafters: dict[str, DFlashDrafter],
+    paths: dict[str, str],
+    want: dict[str, Any],
+) -> dict[str, tuple[str, dict[str, Any]]]:
+    """name -> (report path, entry) for each drafter an earlier report scored with the same weights and settings
+    (the first such report). A report that scored the weights under other settings is passed over."""
+    taken: dict[str, tuple[str, dict[str, Any]]] = {}
+    for name in drafters:
+        sha = weights_sha256(paths[name]) if paths.get(name) else None
+        if sha is None:
+            continue
+        for r in reuse:
+            entry = next(
+                (e for e in r.report.get("drafters", {}).values() if e.get("weights_sha256") == sha), None
+            )
+            if entry is not None and reuse_mismatch(r.report, want) is None:
+                taken[name] = (r.path, entry)
+                break
+    return taken
