@@ -148,7 +148,7 @@ def regen_args(a: argparse.Namespace, plan: StintPlan, out: Path, minutes: float
         "--max-new-tokens", str(a.max_new_tokens), "--shard-size", "1024", "--max-turns", str(plan.max_turns),
         "--skip", str(plan.skip),
         "--temperature", str(plan.temperature), "--seed", str(plan.seed), "--time-limit", str(minutes),
-        "--contamination", f"humaneval:{a.humaneval}", "--native-attention", a.regen_attention,
+        "--contamination", f"humaneval:{a.humaneval}",
     ]  # fmt: skip
     for spec in a.input:
         args += ["--input", check_training_input(spec)]
@@ -517,10 +517,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="regeneration's rows x (max length + new tokens) per batch: a KV cache of ~23 KB a token for "
         "SmolLM2-135M in bf16. 512 rows x 3,584 = 1.8M tokens (39 GiB) fit under 2.5M; an out-of-memory "
         "retry halves it",
-    )  # fmt: skip
-    p.add_argument(
-        "--regen-attention", choices=("sdpa", "flex"), default="sdpa",
-        help="regeneration's decode-step attention (`flashdraft data regenerate --native-attention`)",
     )  # fmt: skip
     p.add_argument("--val-every", type=int, default=1000, help="trainer validation interval (eval.every)")
     p.add_argument(

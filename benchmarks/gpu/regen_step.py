@@ -9,14 +9,16 @@ over a static cache; under continuous batching the rows' lengths spread between 
 row's (the span the step reads). For each span in `--spans`, rows at lengths drawn uniformly from [span / 8, span)
 (the longest at span − 1), the cache filled with random K/V, the median time of one step (a CUDA-graph replay, as
 regeneration runs it) for each attention variant:
-- `sdpa`: the default (`attention="sdpa"`; SDPA picks its kernel), and SDPA pinned to each of its backends
+- `sdpa`: the engine's own (`BatchedNativeTarget._attention`; SDPA picks its kernel), and SDPA pinned to each of its backends
   (`sdpa:efficient`, `sdpa:cudnn`, `sdpa:math`, where they run);
-- `flex`: `attention="flex"` (flex_attention's decoding kernel over a BlockMask of each row's own blocks);
+- `flex`: flex_attention's decoding kernel over a BlockMask of each row's own KV blocks (`flex_attention_step`, this
+  file's: regeneration keeps SDPA, which was faster on an H100, benchmarks/RESULTS.md);
 - `no-attention`: the step with attention replaced by a copy of the query: what the rest of the step costs.
 Each variant's logits against `sdpa`'s at the same state: max |Δlogit| and argmax agreement.
 Then end to end: `native_generate` on `--prompts` random-token prompts (lengths uniform in [32, --max-prompt]),
 `--new` tokens each, no stop token, for `sdpa` and `flex`: generated tokens/s and whether the ids agree.
-`pick` in the JSON: the attention regeneration should use (`pick`). Prints a table; writes JSON after each stage (a run cut by `timeout` keeps what it measured).
+`pick` in the JSON: the faster attention end to end (`pick`). Prints a table; writes JSON after each stage (a run
+cut by `timeout` keeps what it measured).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import time
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
+from unittest.mock import patch
 
 import torch
 
@@ -59,7 +62,58 @@ def sdpa_backend(name: str) -> Any:
 
 
 def no_attention(self: BatchedNativeTarget, lengths: torch.Tensor, span: int, dtype: torch.dtype) -> Any:
+    """`BatchedNativeTarget._attention` replaced by a copy of the query: the rest of the step."""
     return lambda q, k, v, scale: q[:, :, 0].clone()
+
+
+FLEX_KV_BLOCK = 128  # columns per KV block of the decode BlockMask; span buckets are multiples of it
+
+
+def decode_block_mask(lengths: torch.Tensor, span: int) -> Any:
+    """A flex_attention BlockMask for one query per row over `span` cache columns, row r attending columns
+    <= lengths[r]: its KV blocks are the first lengths[r] // FLEX_KV_BLOCK + 1, the last one masked inside. Built
+    from tensors alone (no create_block_mask vmap), so a CUDA graph can replay it. The block table must be
+    contiguous: flex's kernels index it by their own strides (an expanded view: an illegal memory access)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    n_blocks = -(-span // FLEX_KV_BLOCK)
+    rows = lengths.shape[0]
+    kv_num = (lengths // FLEX_KV_BLOCK + 1).clamp(max=n_blocks).to(torch.int32)[:, None, None]  # [rows, 1, 1]
+    kv_idx = torch.arange(n_blocks, dtype=torch.int32, device=lengths.device)
+    kv_idx = kv_idx[None, None, None].expand(rows, 1, 1, n_blocks).contiguous()  # [rows, 1, 1, blocks]
+
+    def causal_to_length(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        return kv <= lengths[b]
+
+    return BlockMask.from_kv_blocks(
+        kv_num, kv_idx, BLOCK_SIZE=FLEX_KV_BLOCK, mask_mod=causal_to_length, seq_lengths=(1, span)
+    )  # fmt: skip
+
+
+_FLEX: dict[str, Any] = {}
+
+
+def flex_attention_step(
+    self: BatchedNativeTarget, lengths: torch.Tensor, span: int, dtype: torch.dtype
+) -> Any:
+    """`BatchedNativeTarget._attention` as flex_attention over each row's own KV blocks (`decode_block_mask`):
+    the columns past a row's length are not read. Compiled on CUDA (eager it materialises the scores)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if "fn" not in _FLEX:
+        _FLEX["fn"] = torch.compile(flex_attention, dynamic=False) if lengths.is_cuda else flex_attention
+    block_mask = decode_block_mask(lengths, span)
+    gqa = self.n_heads > self.n_kv
+    return lambda q, k, v, scale: _FLEX["fn"](q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa)[
+        :, :, 0
+    ]
+
+
+ATTENTION = {
+    "sdpa": BatchedNativeTarget._attention,
+    "flex": flex_attention_step,
+    "no-attention": no_attention,
+}
 
 
 def time_variant(
@@ -67,9 +121,8 @@ def time_variant(
 ) -> tuple[float, torch.Tensor]:
     """The median ms of one step at this state, and the step's logits (float32, on the host)."""
     kind, _, backend = variant.partition(":")
-    net = BatchedNativeTarget(target, rows, span, attention="flex" if kind == "flex" else "sdpa")
-    if kind == "no-attention":
-        net._attention = no_attention.__get__(net)  # type: ignore[method-assign]
+    net = BatchedNativeTarget(target, rows, span)
+    net._attention = ATTENTION[kind].__get__(net)  # type: ignore[method-assign]
     gen = torch.Generator(device=net.cache.device).manual_seed(0)
     net.cache.normal_(generator=gen).mul_(0.5)
     cuda = target.device.type == "cuda"
@@ -150,14 +203,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ids_by: dict[str, list[list[int]]] = {}
         log(f"end to end: {args.prompts} prompts of 32–{args.max_prompt} tokens, {args.new} new tokens each")
         for attention in ("sdpa", "flex"):
-            native_generate(target, prompts[: args.rows], params, seed=0, rows=args.rows, attention=attention)
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            gens = native_generate(target, prompts, params, seed=0, rows=args.rows, attention=attention)
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
-            s = time.perf_counter() - t0
+            with patch.object(BatchedNativeTarget, "_attention", ATTENTION[attention]):
+                native_generate(target, prompts[: args.rows], params, seed=0, rows=args.rows)  # warm-up
+                if dev.type == "cuda":
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                gens = native_generate(target, prompts, params, seed=0, rows=args.rows)
+                if dev.type == "cuda":
+                    torch.cuda.synchronize()
+                s = time.perf_counter() - t0
             ids_by[attention] = [gen.ids for gen in gens]
             n = sum(len(x) for x in ids_by[attention])
             row = {"attention": attention, "tokens": n, "s": round(s, 2), "tok_s": round(n / s)}

@@ -73,11 +73,6 @@ def register(app: typer.Typer) -> None:
             help="loop engine, greedy, Llama family: batches decoded together, the same ids as one at a time "
             "(flashdraft/data/grouped.py); 0 = auto: 5 on CPU, 1 elsewhere",
         ),  # fmt: skip
-        native_attention: str = typer.Option(
-            "sdpa",
-            help="native engine: the decode step's attention, 'sdpa' (every column up to the longest row's) or "
-            "'flex' (flex_attention over each row's own KV blocks; benchmarks/gpu/regen_step.py times both)",
-        ),
         server: str | None = typer.Option(None, help="OpenAI-compatible server URL: generate there instead"),
         server_model: str | None = typer.Option(None, help="model name on the server (default: its first)"),
         concurrency: int = typer.Option(64, help="client mode: requests in flight"),
@@ -103,13 +98,6 @@ def register(app: typer.Typer) -> None:
         from flashdraft.data.template import ChatTemplate, stop_token_ids
 
         logging.basicConfig(level=logging.WARNING, format="%(message)s")
-        from flashdraft.data.native import DECODE_ATTENTION
-
-        if native_attention not in DECODE_ATTENTION:
-            raise typer.BadParameter(
-                f"{native_attention!r}: use one of {', '.join(DECODE_ATTENTION)}",
-                param_hint="--native-attention",
-            )
         cfg = RegenConfig(
             inputs=list(input), out=out, target=target, max_new_tokens=max_new_tokens, temperature=temperature,
             top_p=top_p, thinking=thinking, limit=limit, skip=skip, shard_size=shard_size, max_length=max_length,
@@ -149,7 +137,6 @@ def register(app: typer.Typer) -> None:
                 batch_size=batch_size,
                 max_batch_tokens=max_batch_tokens,
                 groups=groups,
-                attention=native_attention,
             )
         import sys
 

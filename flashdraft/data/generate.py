@@ -68,7 +68,6 @@ class LocalGenerator:
         batch_size: int = 64,
         max_batch_tokens: int | None = None,
         groups: int = 1,
-        attention: str = "sdpa",
     ) -> None:
         if engine == "hf":
             raise ValueError(
@@ -83,7 +82,6 @@ class LocalGenerator:
             groups  # loop engine: batches decoded together (flashdraft/data/grouped.py); 1 = one at a time
         )
         self.native_stats = NativeStats() if engine == "native" else None  # summed over generate() calls
-        self.attention = attention  # native engine: the decode step's attention (flashdraft.data.native)
 
     @property
     def follows_up(self) -> bool:
@@ -96,7 +94,7 @@ class LocalGenerator:
         if self.engine == "native":  # schedules its own rows (continuous batching)
             return native_generate(
                 self.target, prompts, self.params, seed, rows=self.batch_size, max_batch_tokens=self.max_batch_tokens,
-                on_batch=on_batch, stats=self.native_stats, attention=self.attention, **follow,
+                on_batch=on_batch, stats=self.native_stats, **follow,
             )  # fmt: skip
         if follow:
             raise ValueError(f"engine {self.engine!r} does not take follow-up prompts (only 'native' does)")

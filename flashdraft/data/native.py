@@ -73,14 +73,10 @@ class BatchedNativeTarget:
         logits = net.step(next_ids, lengths, span)                        # [rows, V]
     """
 
-    def __init__(
-        self, target: TargetModel, rows: int, capacity: int, *, compile: bool = False, attention: str = "sdpa"
-    ) -> None:
+    def __init__(self, target: TargetModel, rows: int, capacity: int, *, compile: bool = False) -> None:
         why = native_support_error(target)
         if why is not None:
             raise ValueError(f"native target forward: {why}")
-        if attention not in DECODE_ATTENTION:
-            raise ValueError(f"decode attention {attention!r}: use one of {', '.join(DECODE_ATTENTION)}")
         self.target = target
         self.n_heads, self.n_kv, self.head_dim = attention_geometry(target)
         self.rows, self.capacity = rows, capacity
@@ -102,9 +98,6 @@ class BatchedNativeTarget:
         # a full GC, so the next call allocated its 39 GiB cache beside this one on an 80 GB H100 (2026-12-06)
         self.compiled = compile
         self._compiled_step = compile_step() if compile else None  # takes the net as its first argument
-        # the decode step's attention (DECODE_ATTENTION); "flex" reads only the KV blocks up to each row's length
-        self.attention = attention
-        self._flex = _flex_attention(target.device) if attention == "flex" else None
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.head(rms_norm(self.inner.norm, h))  # [n, V], float32 at least
@@ -220,61 +213,20 @@ class BatchedNativeTarget:
     ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]:
         """The step's attention, its mask built once for every layer: q [rows, heads, 1, hd] over the cache's
         first `span` columns k, v [rows, kv, span, hd], row r reading columns <= lengths[r]; → [rows, heads, hd].
-        "sdpa": one additive mask, the rep query heads of a kv head in the query-length slot ([rows, kv, rep, hd]
-        over [rows, kv, span, hd]: a fused kernel with no copy of the cache per head), every column read.
-        "flex": a BlockMask of each row's blocks up to its length (flex_attention's decoding kernel on CUDA):
-        the columns past a row's length, up to the longest row's, are not read at all."""
+        One additive mask; the rep query heads of a kv head ride in the query-length slot ([rows, kv, rep, hd] over
+        [rows, kv, span, hd]: a fused kernel, cuDNN's on an H100, with no copy of the cache per head). Every column
+        up to the span is read: flex_attention over each row's own KV blocks was 1.7–1.8× slower on an H100
+        (benchmarks/gpu/regen_step.py, which swaps this method for its variants)."""
         rows, n_kv, hd = self.rows, self.n_kv, self.head_dim
         rep = self.n_heads // n_kv
-        if self.attention == "flex":
-            block_mask = decode_block_mask(lengths, span)
-
-            def attend_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-                o = self._flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=rep > 1)
-                return o[:, :, 0]  # type: ignore[index]
-
-            return attend_flex
         allowed = torch.arange(span, device=lengths.device)[None] <= lengths[:, None]  # [rows, span]
         mask = additive_mask(allowed, dtype)[:, None, None]  # [rows, 1, 1, span]
 
-        def attend_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
             q = q.reshape(rows, n_kv, rep, hd)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale).reshape(rows, -1, hd)
 
-        return attend_sdpa
-
-
-# the decode step's attention kernels (`BatchedNativeTarget(attention=...)`): their speed on a GPU is
-# benchmarks/regen_step.py's table; greedy output is the same up to rounding (tests/data/test_generate.py)
-DECODE_ATTENTION = ("sdpa", "flex")
-FLEX_KV_BLOCK = 128  # columns per KV block of the decode BlockMask; span buckets are multiples of it
-
-
-def decode_block_mask(lengths: torch.Tensor, span: int) -> Any:
-    """A flex_attention BlockMask for one query per row over `span` cache columns, row r attending columns
-    <= lengths[r]: its KV blocks are the first lengths[r] // FLEX_KV_BLOCK + 1, the last one masked inside.
-    Built from tensors alone (no create_block_mask vmap), so it is cheap and a CUDA graph can replay it."""
-    from torch.nn.attention.flex_attention import BlockMask
-
-    n_blocks = -(-span // FLEX_KV_BLOCK)
-    rows = lengths.shape[0]
-    kv_num = (lengths // FLEX_KV_BLOCK + 1).clamp(max=n_blocks).to(torch.int32)[:, None, None]  # [rows, 1, 1]
-    kv_idx = torch.arange(n_blocks, dtype=torch.int32, device=lengths.device)
-    kv_idx = kv_idx[None, None, None].expand(rows, 1, 1, n_blocks)  # [rows, 1, 1, blocks]
-
-    def causal_to_length(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-        return kv <= lengths[b]
-
-    return BlockMask.from_kv_blocks(
-        kv_num, kv_idx, BLOCK_SIZE=FLEX_KV_BLOCK, mask_mod=causal_to_length, seq_lengths=(1, span)
-    )  # fmt: skip
-
-
-def _flex_attention(device: torch.device) -> Callable[..., torch.Tensor]:
-    """flex_attention as it runs fast: compiled on CUDA (eager it materialises the scores), eager elsewhere."""
-    from torch.nn.attention.flex_attention import flex_attention
-
-    return torch.compile(flex_attention, dynamic=False) if device.type == "cuda" else flex_attention
+        return attend
 
 
 @torch.inference_mode()
@@ -283,7 +235,6 @@ def native_generate(
     max_batch_tokens: int | None = None, sync_every: int = 8, prefill_tokens: int = 65536, on_batch: Any = None,
     follow_up: Callable[[int, Generation], list[int] | None] | None = None, priority: list[int] | None = None,
     max_prompt_len: int | None = None, compile_step: bool = False, stats: NativeStats | None = None,
-    attention: str = "sdpa",
 ) -> list[Generation]:  # fmt: skip
     """Continuous batching over a static cache (`BatchedNativeTarget`): `rows` sequences decode together;
     every `sync_every` steps the host reads which rows finished (the only host sync), collects them
@@ -293,8 +244,7 @@ def native_generate(
     to the result; `max_prompt_len` must then bound every prompt (it sizes the cache). `max_batch_tokens` caps
     the cache's tokens, rows × (max_prompt_len + max_new_tokens), at layers × 2 × kv_heads × head_dim × dtype
     bytes each; the cache is freed when the call returns. `compile_step`: the decode step through torch.compile
-    (`BatchedNativeTarget(compile=True)`); `attention`: the step's attention kernel (`DECODE_ATTENTION`). `stats`
-    (a NativeStats) adds up where the time went.
+    (`BatchedNativeTarget(compile=True)`). `stats` (a NativeStats) adds up where the time went.
     Greedy output equals `loop_generate`'s; sampled output depends only on the prompts and the seed."""
     dev, n_new = target.device, params.max_new_tokens
     prompts = list(prompts)  # follow-ups are appended
@@ -306,7 +256,7 @@ def native_generate(
         rows = min(rows, max(1, max_batch_tokens // capacity))
     rows = max(1, min(rows, len(prompts)))
     refill_at = max(1, rows // 8)  # free rows that trigger a refill (while prompts are waiting)
-    net = BatchedNativeTarget(target, rows, capacity, compile=compile_step, attention=attention)
+    net = BatchedNativeTarget(target, rows, capacity, compile=compile_step)
     stop = torch.tensor(params.stop_ids or [-1], device=dev)
     gen = torch.Generator(device=dev).manual_seed(seed) if params.temperature > 0 else None
     ar = torch.arange(rows, device=dev)

@@ -95,25 +95,6 @@ def test_native_continuous_batching_matches_unbatched_greedy(family):
     assert [g.ids for g in gen.generate(prompts, seed=0)] == ref
 
 
-@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
-def test_native_flex_attention_matches_unbatched_greedy(family):
-    """`attention="flex"` reads each row's own KV blocks (a BlockMask from the lengths): rows longer than one
-    128-column block, rows inside the first, refills over a longer row's stale columns: the same greedy ids."""
-    from flashdraft.data.native import FLEX_KV_BLOCK, decode_block_mask, native_generate
-
-    target = tiny_target(family, layers=2)
-    prompts = _prompts(97, [5, 140, 1, 9, 130, 3], seed=5)
-    params = GenerationParams(max_new_tokens=12, stop_ids=[7])
-    ref = [_reference_greedy(target, p, 12, [7]) for p in prompts]
-    got = native_generate(target, prompts, params, seed=0, rows=2, sync_every=4, attention="flex")
-    assert [g.ids for g in got] == ref
-    mask = decode_block_mask(torch.tensor([0, 127, 128, 300]), span=384)
-    dense = mask.to_dense()[:, 0, 0]  # [rows, blocks] which KV blocks each row reads
-    assert dense.tolist() == [[1, 0, 0], [1, 0, 0], [1, 1, 0], [1, 1, 1]] and FLEX_KV_BLOCK == 128
-    with pytest.raises(ValueError, match="decode attention 'dense'"):
-        native_generate(target, prompts, params, seed=0, rows=2, attention="dense")
-
-
 def test_native_stats_count_every_row_step_and_prefill():
     """NativeStats: each generated token after a row's first (which its prefill makes) is one generating
     row-step; rows × steps is the capacity, so the idle share (finished rows waiting for a refill) is the rest."""
@@ -163,22 +144,6 @@ def test_native_generation_with_cuda_graphs_matches_eager_steps(monkeypatch):
     )
     eager = native_generate(target, prompts, params, seed=0, rows=4, sync_every=4)
     assert [g.ids for g in graphed] == [g.ids for g in eager]
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_native_flex_attention_in_cuda_graphs_matches_sdpa():
-    """On CUDA, flex_attention's compiled decoding kernel replays in each span bucket's graph: float32 greedy
-    output equal to the SDPA step's, with prompts and spans past one 128-column KV block."""
-    from flashdraft.data.native import native_generate
-
-    target = tiny_target("qwen3", dtype=torch.float32)
-    target.model.to("cuda")
-    prompts = _prompts(97, [5, 12, 1, 9, 3, 170, 7, 300, 2], seed=4)
-    params = GenerationParams(max_new_tokens=40, stop_ids=[5])
-    sdpa = native_generate(target, prompts, params, seed=0, rows=4, sync_every=4)
-    flex = native_generate(target, prompts, params, seed=0, rows=4, sync_every=4, attention="flex")
-    assert [g.ids for g in flex] == [g.ids for g in sdpa]
 
 
 @pytest.mark.gpu
