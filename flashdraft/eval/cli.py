@@ -13,11 +13,14 @@ Imports of torch and friends stay inside the commands (`flashdraft --help` stays
 from __future__ import annotations
 
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 import typer
 
 from flashdraft.errors import UserError
+
+if TYPE_CHECKING:
+    from flashdraft.eval.evaluate import ReusableReport
 
 
 def _ints(text: str, flag: str) -> list[int]:
@@ -74,11 +77,11 @@ def drafter_names(found: list[tuple[Path, int | None]]) -> list[str]:
     return out
 
 
-def _reusable_report(path: Path):  # type: ignore[no-untyped-def]
+def _reusable_report(path: Path) -> ReusableReport:
     """`--reuse FILE`: an earlier eval's report.json, read as data (never unpickled)."""
     import json
 
-    from flashdraft.eval.evaluate import ReusableReport
+    from flashdraft.eval.evaluate import ReusableReport  # torch, only when the command runs
 
     try:
         report = json.loads(path.read_text())
@@ -247,10 +250,7 @@ def register(app: typer.Typer) -> None:
                 typer.echo(("run finished; " if res.finished else "") + f"{watch / 'eval' / 'log.jsonl'}:")
                 typer.echo(watch_table(watch))
             return
-        try:
-            report = evaluate(t, models, prompts, drafter_paths={n: str(f) for n, f in resolved}, **kwargs)
-        except ValueError as e:  # a --reuse report scored on other references, among others
-            _fail(str(e))
+        report = evaluate(t, models, prompts, drafter_paths={n: str(f) for n, f in resolved}, **kwargs)
         files = write_report(report, out or Path("eval-reports") / Path(dataset).name)
         typer.echo(markdown_table(report))
         typer.echo(f"report: {files.json} {files.markdown} " + " ".join(str(p) for p in files.plots))

@@ -117,9 +117,7 @@ class DrafterReport:
     paired: PairedComparison | None = None  # per-prompt Δτ vs the report's first drafter (None: the first)
     # of the drafter's model.safetensors: which weights the report scored (None: no such file at its path)
     weights_sha256: str | None = None
-    reused_from: str | None = (
-        None  # an earlier report whose results for these weights were taken (`reusable`)
-    )
+    reused_from: str | None = None  # the earlier report its results were taken from (`evaluate(reuse=...)`)
 
 
 @dataclass
@@ -175,7 +173,7 @@ def reuse_mismatch(old: dict[str, Any], want: dict[str, Any]) -> str | None:
     """Why an earlier report's results cannot stand for this evaluation's (None: they can). Greedy only (a sampled
     eval's references depend on its seed and engine); the same dataset, reference length, methods, slot stride,
     dtype and device type; the same target (by fingerprint, or by name for a report that has none). The replayed
-    tokens themselves are compared per prompt once this evaluation has its references (`_reused`)."""
+    tokens themselves are compared per prompt once this evaluation has its references (`_reuse_refused`)."""
     if want["temperature"] != 0 or old.get("temperature") != 0:
         return "only greedy (temperature 0) results are reused"
     for key in ("dataset", "max_new_tokens", "dtype", "slot_stride"):
