@@ -391,13 +391,15 @@ def evaluate(
     stats = ReferenceStats(len(refs), source, temperature, 0, computed, cached, ref_s, 0, 0, None, 0)
     replayed: dict[str, int] = {}  # prompt id -> reference tokens replayed (the prompts with a round)
 
-    def replay_pass(names: list[str], stats: ReferenceStats, desc: str) -> float:
-        """Every reference checked (into `stats`), teacher-forced once, replayed by the drafters `names`, in
-        groups; the seconds of the teacher-forced passes."""
+    def replay_pass(names: list[str], layer_ids: list[int], stats: ReferenceStats, desc: str) -> float:
+        """Every reference checked (into `stats`), teacher-forced once (features of `layer_ids`), replayed by the
+        drafters `names`, in groups; the seconds of the teacher-forced passes."""
         tf_s = 0.0
         bar = tqdm(total=len(refs), desc=desc, disable=not progress, unit="prompt")
         for a in range(0, len(refs), max(1, group)):
-            items = [_checked_item(target, ref, max_new_tokens, union, stats) for ref in refs[a : a + group]]
+            items = [
+                _checked_item(target, ref, max_new_tokens, layer_ids, stats) for ref in refs[a : a + group]
+            ]
             tf_s += sum(it.tf_seconds for it in items)
             replayed.update({it.id: len(it.reference) for it in items if len(it.reference) >= 2})
             for name in names:
@@ -410,7 +412,7 @@ def evaluate(
         bar.close()
         return tf_s
 
-    tf_s = replay_pass([n for n in drafters if n not in taken], stats, "offline τ")
+    tf_s = replay_pass([n for n in drafters if n not in taken], union, stats, "offline τ")
     stats.agreement_rate = stats.agreed / stats.checked if stats.checked else None
     reports: dict[str, DrafterReport] = {}
     reuse_notes = []
@@ -423,9 +425,9 @@ def evaluate(
             reuse_notes.append(f"{n}: not reused from {src}, replayed: {why}")
     again = [n for n in taken if n not in reports]
     if again:  # (rare) the same settings, other references: float near-ties on another GPU, say
-        union = list(dict.fromkeys(i for n in again for i in drafters[n].target_layer_ids))
+        layer_ids = list(dict.fromkeys(i for n in again for i in drafters[n].target_layer_ids))
         scratch = ReferenceStats(len(refs), source, temperature, 0, computed, cached, ref_s, 0, 0, None, 0)
-        tf_s += replay_pass(again, scratch, "offline τ (not reused)")
+        tf_s += replay_pass(again, layer_ids, scratch, "offline τ (not reused)")
     for n, d in drafters.items():
         if n not in reports:
             reports[n] = summarize(n, paths.get(n, ""), d, results[n], methods, seconds[n])
@@ -465,6 +467,8 @@ def _reusable(
     """name -> (report path, entry) for each drafter an earlier report scored with the same weights and settings
     (the first such report). A report that scored the weights under other settings is passed over."""
     taken: dict[str, tuple[str, dict[str, Any]]] = {}
+    if not reuse:  # no weights hashed for nothing (summarize hashes each replayed drafter's once)
+        return taken
     for name in drafters:
         sha = weights_sha256(paths[name]) if paths.get(name) else None
         if sha is None:
