@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from flashdraft.data.dataset import SPLITS, DatasetError, Sample, open_dataset, write_dataset
+from flashdraft.data.template import rendering_key
 
 
 def _same(manifests: list[tuple[Path, dict[str, Any]]], what: str, get: Any) -> Any:
@@ -78,7 +79,8 @@ def merge_datasets(
         raise DatasetError("the same input dataset is named twice")
     manifests = [(p, open_dataset(p, "train").manifest) for p in paths]
     target = _same(manifests, "target", lambda m: m.get("target"))
-    template = _same(manifests, "template", lambda m: m.get("template"))
+    _same(manifests, "template", lambda m: rendering_key(m.get("template")))
+    template = manifests[0][1].get("template")
     fraction = _same(manifests, "split eval_fraction", lambda m: m.get("split", {}).get("eval_fraction"))
     salt = _same(manifests, "split salt", lambda m: m.get("split", {}).get("salt"))
     if fraction is None or salt is None:

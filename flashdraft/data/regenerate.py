@@ -66,7 +66,7 @@ from typing import Any
 from flashdraft.data.dataset import Sample, _write_parquet, truncate_sample, write_dataset
 from flashdraft.data.generate import Generator
 from flashdraft.data.sources import Conversation, SourceStats, iter_conversations
-from flashdraft.data.template import ChatTemplate, ConversationBuilder
+from flashdraft.data.template import ChatTemplate, ConversationBuilder, rendering_key
 from flashdraft.errors import UserError
 from flashdraft.files import atomic_write_text
 
@@ -240,7 +240,7 @@ def read_histories(
             manifest = open_dataset(path, "train").manifest
         except DatasetError as e:
             raise RegenError(f"--continue-from {path}: {e}") from None
-        if manifest.get("template") != template.describe():
+        if rendering_key(manifest.get("template")) != rendering_key(template.describe()):
             raise RegenError(
                 f"--continue-from {path}: written with another chat template, thinking setting or stop ids than "
                 "this run's target: its answers cannot be this target's history"

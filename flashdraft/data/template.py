@@ -50,6 +50,14 @@ class TemplateError(ValueError):
     pass
 
 
+def rendering_key(described: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A manifest's `template` (ChatTemplate.describe()) with its stop ids as a sorted set: two hosts list a
+    target's stop ids in different orders (their transformers versions read the GGUF's eos differently)."""
+    if described is None:
+        return None
+    return {**described, "stop_ids": sorted(set(described.get("stop_ids") or []))}
+
+
 def stop_token_ids(tokenizer: Any, generation_config: Any | None = None) -> list[int]:
     """Every id that ends a response: the tokenizer's eos plus the generation config's eos list."""
     ids: list[int] = []

@@ -61,6 +61,15 @@ def test_merge_keeps_each_sample_once_longest_wins(tmp_path):
     assert m["counts"]["train"] + m["counts"]["eval"] == 15
 
 
+def test_merge_takes_stop_ids_in_any_order(tmp_path):
+    # two hosts list the same stop ids in different orders: the same rendering, so they merge
+    two = dict(TEMPLATE, stop_ids=[1, 2])
+    pa = _write(tmp_path / "a", [_sample(0, _ids(0))], template=two)
+    pb = _write(tmp_path / "b", [_sample(1, _ids(1))], template=dict(two, stop_ids=[2, 1]))
+    m = merge_datasets([pa, pb], tmp_path / "m", contamination_sources=())
+    assert m["template"] == two and len(_all(tmp_path / "m")) == 2
+
+
 @pytest.mark.parametrize(
     ("kwargs", "what"),
     [
