@@ -43,6 +43,14 @@ def _gpu_folders(monkeypatch: pytest.MonkeyPatch) -> None:
 CONFIG_PATH = REPO / "configs" / "smollm2-b16.yaml"
 
 
+def test_dry_run_regenerates_a_slice_of_the_conversations(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--stint", "7", "--temperature", "0", "--max-turns", "3", "--skip", "4096", "--limit", "6144",
+            "--phases", "regen", "--work", "/w", "--dry-run"]  # fmt: skip
+    assert cs.main(argv) == 0
+    regen = _parse(json.loads(capsys.readouterr().out)["regen"])
+    assert (regen["skip"], regen["limit"], regen["max_turns"], regen["temperature"]) == (4096, 6144, 3, 0.0)
+
+
 def test_dry_run_commands_parse_with_the_cli(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["--stint", "4", "--prev-data", "/c/prev", "--budget-min", "9.5", "--regen-min", "3", "--eval-min", "2",
             "--work", "/w", "--dry-run"]  # fmt: skip
@@ -63,8 +71,8 @@ def test_dry_run_commands_parse_with_the_cli(capsys: pytest.CaptureFixture[str])
         plan.max_turns,
     )
     assert regen["time_limit"] == 3.0 and regen["device"] == "cuda" and regen["engine"] == "native"
-    assert regen["max_batch_tokens"] == 2_500_000 and regen["shard_size"] == 1024 and regen["skip"] == 0
-    assert regen["continue_from"] == []
+    assert regen["max_batch_tokens"] == 2_500_000 and regen["shard_size"] == 256 and regen["skip"] == 0
+    assert regen["continue_from"] == [] and regen["limit"] is None
     merge = _parse(cmd["merge"])
     assert merge["inputs"] == ["/c/prev", "/w/new"] and merge["out"] == "/w/data"
     assert merge["contamination"] == [f"humaneval:{HE}"]

@@ -140,12 +140,13 @@ class Budget:
 
 
 def regen_args(a: argparse.Namespace, plan: StintPlan, out: Path, minutes: float) -> list[str]:
-    # shards of 1,024 conversations: --time-limit starts no shard that would end after it, and a 4,096-conversation
-    # shard of three turns took 3 minutes on an H100 (2026-12-06), so a 4.5-minute limit stopped after 3.3
+    # greedy runs stream every shard through one native call and stop at --time-limit, dropping the shards not
+    # finished then: small shards waste little (sampled runs go shard by shard, starting none that would end after
+    # the limit: a 4,096-conversation shard of three turns took 3 minutes on an H100, 2026-12-06)
     args = [
         "data", "regenerate", "--target", a.target, "--out", str(out), "--device", "cuda", "--dtype", "bfloat16",
         "--engine", "native", "--batch-size", "512", "--max-batch-tokens", str(a.max_batch_tokens),
-        "--max-new-tokens", str(a.max_new_tokens), "--shard-size", "1024", "--max-turns", str(plan.max_turns),
+        "--max-new-tokens", str(a.max_new_tokens), "--shard-size", "256", "--max-turns", str(plan.max_turns),
         "--skip", str(plan.skip),
         "--temperature", str(plan.temperature), "--seed", str(plan.seed), "--time-limit", str(minutes),
         "--contamination", f"humaneval:{a.humaneval}",
@@ -154,6 +155,8 @@ def regen_args(a: argparse.Namespace, plan: StintPlan, out: Path, minutes: float
         args += ["--input", check_training_input(spec)]
     for path in a.continue_from:
         args += ["--continue-from", path]
+    if a.limit is not None:
+        args += ["--limit", str(a.limit)]
     return args
 
 
@@ -507,6 +510,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--max-turns", type=int, default=None, help="instead of the stint's: user turns answered")
     p.add_argument("--skip", type=int, default=0, help="regenerate from the (N+1)-th conversation on")
+    p.add_argument(
+        "--limit", type=int, default=None, help="regenerate at most this many conversations after --skip"
+    )
     p.add_argument(
         "--continue-from", action="append", default=[],
         help="an earlier stint's dataset (carried; repeatable): answer only the later turns of the conversations it "

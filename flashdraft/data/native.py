@@ -235,7 +235,8 @@ def native_generate(
     max_batch_tokens: int | None = None, sync_every: int = 8, prefill_tokens: int = 65536, on_batch: Any = None,
     follow_up: Callable[[int, Generation], list[int] | None] | None = None, priority: list[int] | None = None,
     max_prompt_len: int | None = None, compile_step: bool = False, stats: NativeStats | None = None,
-) -> list[Generation]:  # fmt: skip
+    deadline: float | None = None,
+) -> list[Generation | None]:  # fmt: skip
     """Continuous batching over a static cache (`BatchedNativeTarget`): `rows` sequences decode together;
     every `sync_every` steps the host reads which rows finished (the only host sync), collects them
     and refills their rows with the next prompts (highest `priority`, then longest, first). Finished
@@ -244,8 +245,10 @@ def native_generate(
     to the result; `max_prompt_len` must then bound every prompt (it sizes the cache). `max_batch_tokens` caps
     the cache's tokens, rows × (max_prompt_len + max_new_tokens), at layers × 2 × kv_heads × head_dim × dtype
     bytes each; the cache is freed when the call returns. `compile_step`: the decode step through torch.compile
-    (`BatchedNativeTarget(compile=True)`). `stats` (a NativeStats) adds up where the time went.
-    Greedy output equals `loop_generate`'s; sampled output depends only on the prompts and the seed."""
+    (`BatchedNativeTarget(compile=True)`). `stats` (a NativeStats) adds up where the time went. `deadline` (a
+    `time.perf_counter()` value): the call returns at the first host sync after it, with None for every prompt
+    not finished by then. Greedy output equals `loop_generate`'s; sampled output depends only on the prompts and
+    the seed."""
     dev, n_new = target.device, params.max_new_tokens
     prompts = list(prompts)  # follow-ups are appended
     prio = priority or [0] * len(prompts)
@@ -272,6 +275,8 @@ def native_generate(
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     while True:
         t0 = time.perf_counter()
+        if deadline is not None and t0 >= deadline:
+            break  # what is unfinished stays None
         n_prefills = 0
         free = [r for r in range(rows) if owner[r] < 0]
         if len(free) < min(refill_at, len(order)) and len(free) < rows:
@@ -338,7 +343,7 @@ def native_generate(
             span = int(lengths.max()) + 1
     if stats is not None:
         stats.live_row_steps += int(live_steps)
-    return out  # type: ignore[return-value]
+    return out
 
 
 def compile_step() -> Callable[[BatchedNativeTarget, torch.Tensor, torch.Tensor, int], torch.Tensor]:

@@ -24,7 +24,9 @@ Each user turn is answered given the regenerated history, rendered with the targ
 exactly as a server renders it (template.py). Conversations are processed in shards of
 `--shard-size`: each finished shard is written to `OUT.partial/` atomically, so an interrupted run
 resumes by skipping finished shards, and the final dataset is identical to an uninterrupted run
-(every batch's content and sampling seed depend only on the shard). When all shards are done,
+(every batch's content and sampling seed depend only on the shard; greedy runs on the native engine
+stream every shard through one call, earlier shards first, since a greedy answer depends only on its
+history, and `--time-limit` stops them keeping the shards finished by then). When all shards are done,
 `write_dataset` dedups, splits, filters contamination and writes OUT atomically; then
 `OUT.partial/` is removed. With `--temperature` > 0 the sample ids name the sampling (`…@T0.8s1`), so a
 sampled set merges beside a greedy one (`flashdraft data merge`): more answers from the same prompts.
@@ -100,9 +102,10 @@ class RegenConfig:
     max_bad_fraction: float = 0.1
     seed: int = 0
     contamination_sources: list[str] = field(default_factory=lambda: ["humaneval"])
-    # start no shard that would end after this many seconds (forecast: the slowest shard so far; the
-    # first shard always runs); the dataset is written from the finished shards (manifest
-    # "complete": false) and OUT.partial/ is kept, so rerunning with --overwrite completes it
+    # greedy with the native engine: stop after this many seconds; otherwise start no shard that would end after
+    # it (forecast: the slowest shard so far; the first shard always runs). The dataset is written from the
+    # finished shards (manifest "complete": false) and OUT.partial/ is kept, so rerunning with --overwrite
+    # completes it
     time_limit_s: float | None = None
 
     def fingerprint(self, template: ChatTemplate) -> dict[str, Any]:
@@ -348,15 +351,27 @@ def regenerate_shard(
     the running batch as soon as its previous answer is done, longest conversations first, so the
     rows stay busy through a shard's multi-turn tail. Otherwise turn-synchronous: turn 0 of every
     conversation in one batched call, then turn 1, ..."""
-    history = history or {}
-    builders = [
-        ConversationBuilder(template, c, max_length=cfg.max_length, history=history.get(c.id, []))
-        for c in convs
-    ]
+    builders = _builders(convs, template, cfg, history or {})
     if getattr(generator, "follows_up", False):
         _regenerate_async(builders, generator, cfg.seed * 1_000_003 + shard * 1_009, cfg.max_length, progress)
     else:
         _regenerate_turn_by_turn(builders, generator, cfg, shard, progress)
+    return _shard_samples(builders, cfg, drops)
+
+
+def _builders(
+    convs: list[Conversation], template: ChatTemplate, cfg: RegenConfig, history: dict[str, History]
+) -> list[ConversationBuilder]:
+    return [
+        ConversationBuilder(template, c, max_length=cfg.max_length, history=history.get(c.id, []))
+        for c in convs
+    ]
+
+
+def _shard_samples(
+    builders: list[ConversationBuilder], cfg: RegenConfig, drops: Counter[str] | None
+) -> list[Sample]:
+    """The samples of a shard whose conversations are all answered; `drops` gets what max_length left out."""
     samples = [s for b in builders for s in b.samples()]
     if drops is not None:
         for b in builders:
@@ -520,29 +535,29 @@ def _regenerate_in(
 
     done_turns = sum(turns(c) for sh, f in zip(shards, finished, strict=True) if f for c in sh)
     progress = _Progress(sum(turns(c) for c in convs), done_turns)
-    slowest = 0.0  # seconds of the slowest shard of this run: the forecast for the next one
+    todo = [k for k in range(len(shards)) if not finished[k]]
     try:
-        for k, sh in enumerate(shards):
-            if finished[k]:
-                continue
-            if cfg.time_limit_s is not None and time.perf_counter() - t0 + slowest > cfg.time_limit_s:
+        if getattr(generator, "follows_up", False) and cfg.temperature == 0:
+            deadline = None if cfg.time_limit_s is None else t0 + cfg.time_limit_s
+            _regenerate_streaming(
+                shards, todo, path_of, template, generator, cfg, progress, history, deadline
+            )
+            if not all(p.exists() for p in path_of):
                 log.warning(
-                    "time limit: %d of %d shards done (the next would end after the limit); rerun with "
-                    "--overwrite to finish", k, len(shards),
+                    "time limit: %d of %d shards done (the unfinished ones are not written); rerun with "
+                    "--overwrite to finish", sum(p.exists() for p in path_of), len(shards),
                 )  # fmt: skip
-                break
-            t_shard = time.perf_counter()
-            shard_drops: Counter[str] = Counter()
-            samples = regenerate_shard(sh, template, generator, cfg, k, progress, shard_drops, history)
-            slowest = max(slowest, time.perf_counter() - t_shard)
-            atomic_write_text(_drops_file(path_of[k]), json.dumps(dict(shard_drops)))
-            tmp = path_of[k].with_suffix(".tmp")
-            _write_parquet(samples, tmp)
-            os.replace(tmp, path_of[k])  # a shard exists only once complete
+        else:
+            _regenerate_shard_by_shard(shards, todo, path_of, template, generator, cfg, progress, history, t0)
     finally:
         progress.close()
 
     done = [p for p in path_of if p.exists()]
+    if not done and cfg.time_limit_s is not None:
+        raise RegenError(
+            f"--time-limit {cfg.time_limit_s / 60:g} min: no shard of {cfg.shard_size} conversations finished "
+            "in it; raise --time-limit or lower --shard-size"
+        )
     complete = len(done) == len(path_of)
     for p in done:
         drops.update(_read_drops(p))
@@ -584,6 +599,87 @@ def _regenerate_in(
     return RegenResult(
         out, manifest, len(shards), sum(finished), len(done), progress.tokens, time.perf_counter() - t0
     )
+
+
+def _write_shard(path: Path, samples: list[Sample], drops: Counter[str]) -> None:
+    atomic_write_text(_drops_file(path), json.dumps(dict(drops)))
+    tmp = path.with_suffix(".tmp")
+    _write_parquet(samples, tmp)
+    os.replace(tmp, path)  # a shard exists only once complete
+
+
+def _regenerate_shard_by_shard(
+    shards: list[list[Conversation]], todo: list[int], path_of: list[Path], template: ChatTemplate,
+    generator: Generator, cfg: RegenConfig, progress: _Progress, history: dict[str, History], t0: float,
+) -> None:  # fmt: skip
+    """One shard after another; with a time limit, no shard starts that the slowest one so far says would end
+    after it."""
+    slowest = 0.0  # seconds of the slowest shard of this run: the forecast for the next one
+    for k in todo:
+        if cfg.time_limit_s is not None and time.perf_counter() - t0 + slowest > cfg.time_limit_s:
+            log.warning(
+                "time limit: %d of %d shards done (the next would end after the limit); rerun with "
+                "--overwrite to finish", sum(p.exists() for p in path_of), len(shards),
+            )  # fmt: skip
+            return
+        t_shard = time.perf_counter()
+        drops: Counter[str] = Counter()
+        samples = regenerate_shard(shards[k], template, generator, cfg, k, progress, drops, history)
+        slowest = max(slowest, time.perf_counter() - t_shard)
+        _write_shard(path_of[k], samples, drops)
+
+
+def _regenerate_streaming(
+    shards: list[list[Conversation]], todo: list[int], path_of: list[Path], template: ChatTemplate,
+    generator: Any, cfg: RegenConfig, progress: _Progress, history: dict[str, History], deadline: float | None,
+) -> None:  # fmt: skip
+    """Greedy answers from a generator that takes follow-ups (the native engine): the conversations of every
+    shard in `todo` go through one generate call, earlier shards first, and each shard is written the moment its
+    last conversation is answered. The rows stay busy across shard boundaries instead of draining at every
+    shard's tail (63% of the rows generating with 1,024-conversation shards of 512 rows on an H100, 2026-12-06).
+    A greedy answer depends only on its history, so every shard holds what a shard-by-shard run writes. At
+    `deadline` the call returns: shards not finished by then are not written, and a rerun answers them."""
+    builders = {k: _builders(shards[k], template, cfg, history) for k in todo}
+    left = {k: len(bs) for k, bs in builders.items()}  # conversations of each shard still being answered
+
+    def conversation_done(k: int) -> None:
+        left[k] -= 1
+        if left[k] == 0:
+            drops: Counter[str] = Counter()
+            _write_shard(path_of[k], _shard_samples(builders[k], cfg, drops), drops)
+
+    owner: list[tuple[int, ConversationBuilder]] = []  # per prompt given to the generator: its shard, builder
+    firsts: list[list[int]] = []
+    priority: list[int] = []
+    for rank, k in enumerate(todo):
+        unanswerable = 0  # first prompt over max_length: nothing to answer
+        for b in builders[k]:
+            if (p := b.next_prompt()) is None:
+                unanswerable += 1
+                continue
+            owner.append((k, b))
+            firsts.append(p)
+            # earlier shards first; within one, the conversations with more turns (longest critical path)
+            priority.append((len(todo) - rank) * 1_000_000 + len(b.conversation.user_turns))
+        for _ in range(unanswerable):
+            conversation_done(k)
+    if not firsts:
+        return
+
+    def follow(i: int, g: Any) -> list[int] | None:
+        k, b = owner[i]
+        b.add_response(g.ids, g.finish)
+        p = b.next_prompt()
+        if p is None:
+            conversation_done(k)
+        else:
+            owner.append((k, b))  # the follow-up's index is the next one: len(owner) - 1
+        return p
+
+    generator.generate(
+        firsts, cfg.seed, on_batch=progress.update, follow_up=follow, priority=priority,
+        max_prompt_len=cfg.max_length, deadline=deadline,
+    )  # fmt: skip
 
 
 def load_tokenizer(target: str) -> Any:

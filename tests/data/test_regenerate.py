@@ -85,26 +85,64 @@ def test_regenerate_writes_samples(tmp_path, target):
     assert m["template"]["stop_ids"] == tpl.stop_ids and m["target"] == "tiny"
 
 
-def test_native_engine_runs_conversations_asynchronously_with_the_same_result(tmp_path, target):
-    """The native engine feeds each conversation's next turn into the running batch (follow-ups);
-    greedy answers depend only on the history, so the dataset equals the turn-by-turn loop's."""
+def test_native_engine_streams_every_shard_through_one_call_with_the_same_result(tmp_path, target):
+    """Greedy with the native engine: every shard's conversations go through one generate call, each next turn
+    fed into the running batch (follow-ups), each shard written when its last conversation is answered; greedy
+    answers depend only on the history, so the dataset equals the turn-by-turn loop's, shard for shard."""
     cfg, tpl, params = _setup(tmp_path, "loop")
-    regenerate(cfg, tpl, LocalGenerator(target, params, batch_size=4))
+    regenerate(cfg, tpl, LocalGenerator(target, params, batch_size=4), keep_partial=True)
     cfg2, _, _ = _setup(tmp_path, "native")
     gen = LocalGenerator(target, params, engine="native", batch_size=3)
     calls = []
     inner = gen.generate
     gen.generate = lambda *a, **k: calls.append(k) or inner(*a, **k)  # type: ignore[method-assign]
-    regenerate(cfg2, tpl, gen)
-    assert len(calls) == 4 and all(k["follow_up"] is not None for k in calls)  # one call per shard
+    regenerate(cfg2, tpl, gen, keep_partial=True)
+    assert len(calls) == 1 and calls[0]["follow_up"] is not None
     assert _dump(tmp_path / "native") == _dump(tmp_path / "loop")
+    for k in range(4):
+        name = f"shard-{k:05d}.parquet"
+        assert (tmp_path / "native.partial" / name).read_bytes() == (
+            tmp_path / "loop.partial" / name
+        ).read_bytes()
 
 
-def test_native_engine_holds_one_batch_cache_at_a_time(tmp_path, target, monkeypatch):
-    """Each shard's `native_generate` allocates a KV cache sized for the whole batch (39 GiB for 512 rows of
-    SmolLM2-135M in bf16); the previous shard's must be gone by then, without waiting for the cyclic GC (a
-    reference cycle through the net kept it alive, and the next shard ran out of an H100's 80 GB). The GC is
-    off here, as between the rare full collections of a long run."""
+def test_native_engine_stops_at_the_time_limit_and_a_rerun_completes(tmp_path, target, monkeypatch):
+    """Streaming with a time limit: the call returns at the first host sync after it; the shards finished by
+    then are written, the others not, and a rerun answers only those: the dataset equals an uninterrupted run."""
+    from flashdraft.data import native
+
+    cfg, tpl, params = _setup(tmp_path, "full")
+    regenerate(cfg, tpl, LocalGenerator(target, params, engine="native", batch_size=3))
+    cfg2, _, _ = _setup(tmp_path, "timed")
+    cfg2.time_limit_s = 3600.0
+    clock = {"t": 0.0}
+    real_step = native.BatchedNativeTarget.step_graphed
+
+    def step(self, *a, **k):  # every decode step "takes" 100 s: the limit passes during shard 0's answers
+        clock["t"] += 100.0
+        return real_step(self, *a, **k)
+
+    monkeypatch.setattr(native.BatchedNativeTarget, "step_graphed", step)
+    real_clock = time.perf_counter
+    monkeypatch.setattr(time, "perf_counter", lambda: real_clock() + clock["t"])
+    res = regenerate(cfg2, tpl, LocalGenerator(target, params, engine="native", batch_size=3))
+    assert 0 < res.shards_done < 4 and res.manifest["complete"] is False
+    monkeypatch.undo()
+    cfg2.time_limit_s = None
+    res2 = regenerate(
+        cfg2, tpl, LocalGenerator(target, params, engine="native", batch_size=3), overwrite=True
+    )
+    assert res2.shards_skipped == res.shards_done and res2.manifest["complete"] is True
+    assert _dump(tmp_path / "timed") == _dump(tmp_path / "full")
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_native_engine_holds_one_batch_cache_at_a_time(tmp_path, target, monkeypatch, temperature):
+    """Each `native_generate` call allocates a KV cache sized for the whole batch (39 GiB for 512 rows of
+    SmolLM2-135M in bf16): one per shard when sampling, one for the whole run when greedy (streaming). The
+    previous call's must be gone before the next allocates, without waiting for the cyclic GC (a reference cycle
+    through the net kept it alive, and the next shard ran out of an H100's 80 GB), and the last one when the run
+    returns. The GC is off here, as between the rare full collections of a long run."""
     import gc
     import weakref
 
@@ -120,7 +158,7 @@ def test_native_engine_holds_one_batch_cache_at_a_time(tmp_path, target, monkeyp
         caches.append(weakref.ref(self.cache))
 
     monkeypatch.setattr(BatchedNativeTarget, "__init__", tracked)
-    cfg, tpl, params = _setup(tmp_path)
+    cfg, tpl, params = _setup(tmp_path, temperature=temperature)
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -128,7 +166,8 @@ def test_native_engine_holds_one_batch_cache_at_a_time(tmp_path, target, monkeyp
     finally:
         if enabled:
             gc.enable()
-    assert len(caches) == res.shards_total == 4  # one cache per shard, conversations of 1 and 2 user turns
+    # sampling: one cache per shard (conversations of 1 and 2 user turns); greedy: one for every shard
+    assert res.shards_total == 4 and len(caches) == (1 if temperature == 0 else 4)
     assert all(r() is None for r in caches)
 
 
@@ -212,6 +251,16 @@ def test_time_limit_starts_no_shard_that_would_end_after_it(tmp_path, target):
     cfg.time_limit_s = 2.0
     res = regenerate(cfg, tpl, _SlowGenerator(LocalGenerator(target, params, batch_size=4), fail_at=-1))
     assert (res.shards_done, res.shards_total) == (1, 4)
+
+
+def test_a_time_limit_that_finishes_no_shard_is_a_clear_error(tmp_path, target):
+    from flashdraft.data.regenerate import RegenError
+
+    cfg, tpl, params = _setup(tmp_path, "timed")
+    cfg.time_limit_s = 1e-9  # past before the first decode step
+    with pytest.raises(RegenError, match="no shard of 3 conversations finished"):
+        regenerate(cfg, tpl, LocalGenerator(target, params, engine="native", batch_size=3))
+    assert not (tmp_path / "timed.partial").exists() and not (tmp_path / "timed").exists()
 
 
 def test_resume_refuses_changed_settings(tmp_path, target):
