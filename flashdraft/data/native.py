@@ -47,6 +47,8 @@ class NativeStats:
     prefill_rows: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0  # the decode steps and the host work between them
+    extended_rows: int = 0  # of the prefill rows, follow-ups that kept their row's cache (`extend`)
+    reused_tokens: int = 0  # the cached tokens those follow-ups did not prefill again
 
     def line(self) -> str:
         busy = self.live_row_steps / self.row_steps if self.row_steps else 0.0
@@ -54,7 +56,8 @@ class NativeStats:
         return (
             f"native engine: {self.steps:,} decode steps, {busy:.0%} of their rows generating; "
             f"{self.prefills:,} prefills of {self.prefill_rows:,} rows took {self.prefill_s:.1f} s "
-            f"({self.prefill_s / total if total else 0.0:.0%}), decoding {self.decode_s:.1f} s"
+            f"({self.prefill_s / total if total else 0.0:.0%}; {self.extended_rows:,} follow-ups kept their row, "
+            f"{self.reused_tokens:,} cached tokens reused), decoding {self.decode_s:.1f} s"
             + (f" ({self.decode_s / self.steps * 1e3:.2f} ms a step)" if self.steps else "")
         )
 
@@ -164,6 +167,46 @@ class BatchedNativeTarget:
         last = h[torch.arange(n, device=h.device), lengths - 1]  # [n, H] the last real token of each row
         return self._logits(last)
 
+    @torch.no_grad()
+    def extend(
+        self, slots: torch.Tensor, input_ids: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor
+    ) -> torch.Tensor:
+        """Append tokens to rows `slots` [n] whose first `starts[r]` cache columns already hold the sequence
+        (a conversation's next turn after its previous prompt and answer): input_ids [n, P] right-padded, lengths
+        [n] (>= 1) real tokens each, written to columns starts + j at positions starts + j. Each attends to its
+        row's columns up to itself. Returns the logits after each row's last token, [n, V]. Padding positions
+        write K/V to no column."""
+        n, p_len = input_ids.shape
+        dev = input_ids.device
+        j = torch.arange(p_len, device=dev)
+        pos = starts[:, None] + j[None]  # [n, P]
+        real = j[None] < lengths[:, None]  # [n, P]
+        span = int((starts + lengths).max())
+        allowed = torch.arange(span, device=dev)[None, None] <= pos[:, :, None]  # [n, P, span]
+        mask = additive_mask(allowed, self.target.dtype)[:, None]  # [n, 1, P, span]
+        rows_w, cols_w = slots[:, None].expand(n, p_len)[real], pos[real]  # [M] the real tokens' cells
+        h = self.inner.embed_tokens(input_ids)  # [n, P, H]
+        cos, sin = self.inner.rotary_emb(h, pos)  # [n, P, hd]
+        cos, sin = rope_tables(cos[:, None], sin[:, None])  # [n, 1, P, hd]
+        rep = self.n_heads // self.n_kv
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            q, k, v = target_qkv(
+                layer, h, self.n_heads, self.n_kv, self.head_dim, cos, sin
+            )  # [n, heads|kv, P, hd]
+            self.cache[i, 0, rows_w, :, cols_w] = k.transpose(1, 2)[real]  # [M, kv, hd]
+            self.cache[i, 1, rows_w, :, cols_w] = v.transpose(1, 2)[real]
+            kc, vc = self.cache[i, 0, slots, :, :span], self.cache[i, 1, slots, :, :span]  # [n, kv, span, hd]
+            if rep > 1:  # head h reads kv head h // rep
+                kc, vc = kc.repeat_interleave(rep, dim=1), vc.repeat_interleave(rep, dim=1)
+            o = F.scaled_dot_product_attention(
+                q, kc, vc, attn_mask=mask, scale=attn.scaling
+            )  # [n, heads, P, hd]
+            h = h + attn.o_proj(o.transpose(1, 2).reshape(n, p_len, self.n_heads * self.head_dim))
+            h = h + layer.mlp(rms_norm(layer.post_attention_layernorm, h))
+        last = h[torch.arange(n, device=dev), lengths - 1]  # [n, H]
+        return self._logits(last)
+
     def _write_kv(
         self, layer: int, ar: torch.Tensor, lengths: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> None:
@@ -235,14 +278,16 @@ def native_generate(
     max_batch_tokens: int | None = None, sync_every: int = 8, prefill_tokens: int = 65536, on_batch: Any = None,
     follow_up: Callable[[int, Generation], list[int] | None] | None = None, priority: list[int] | None = None,
     max_prompt_len: int | None = None, compile_step: bool = False, stats: NativeStats | None = None,
-    deadline: float | None = None,
+    deadline: float | None = None, reuse_cache: bool = True,
 ) -> list[Generation | None]:  # fmt: skip
     """Continuous batching over a static cache (`BatchedNativeTarget`): `rows` sequences decode together;
     every `sync_every` steps the host reads which rows finished (the only host sync), collects them
     and refills their rows with the next prompts (highest `priority`, then longest, first). Finished
     rows idle until then. `follow_up(i, generation)` may return a new prompt when prompt i is done
     (a conversation's next turn): it goes to the front of the queue and its generation is appended
-    to the result; `max_prompt_len` must then bound every prompt (it sizes the cache). `max_batch_tokens` caps
+    to the result; with `reuse_cache` a follow-up that extends its row's cached tokens (the previous prompt and
+    answer, the template's history) stays in that row and prefills only what is new (`BatchedNativeTarget.extend`).
+    `max_prompt_len` must then bound every prompt (it sizes the cache). `max_batch_tokens` caps
     the cache's tokens, rows × (max_prompt_len + max_new_tokens), at layers × 2 × kv_heads × head_dim × dtype
     bytes each; the cache is freed when the call returns. `compile_step`: the decode step through torch.compile
     (`BatchedNativeTarget(compile=True)`). `stats` (a NativeStats) adds up where the time went. `deadline` (a
@@ -271,6 +316,8 @@ def native_generate(
     owner = [-1] * rows  # prompt index held by each row (host)
     out: list[Generation | None] = [None] * len(prompts)
     span = 1  # host bound on max(lengths) + 1 over the rows
+    # follow-ups kept in their row, prefilled at the next refill: (row, prompt index, cached tokens kept)
+    extend: list[tuple[int, int, int]] = []
     live_steps = torch.zeros((), dtype=torch.long, device=dev)  # stats: generating rows summed over steps
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     while True:
@@ -279,8 +326,27 @@ def native_generate(
             break  # what is unfinished stays None
         n_prefills = 0
         free = [r for r in range(rows) if owner[r] < 0]
-        if len(free) < min(refill_at, len(order)) and len(free) < rows:
-            free = []  # refill in groups: a prefill is one eager forward, too slow to run for every row
+        idle = len(free) + len(extend)  # rows waiting for a refill
+        if idle < min(refill_at, len(order) + len(extend)) and idle < rows:
+            # refill in groups: a prefill is one eager forward, too slow to run for every row
+            free, batch = [], []
+        else:
+            batch, extend = extend, []
+        for chunk in _extend_chunks(batch, prefill_tokens):  # follow-ups that keep their row's cache
+            slots = torch.tensor([r for r, _, _ in chunk], device=dev)
+            starts = torch.tensor([c for _, _, c in chunk], device=dev)
+            new_ids = [prompts[i][c:] for _, i, c in chunk]
+            lens = torch.tensor([len(x) for x in new_ids], device=dev)
+            ids = pad_rows(new_ids, max(len(x) for x in new_ids), 0, left=False)  # [n, P]
+            first = choose_next(net.extend(slots, ids.to(dev), starts, lens), params, gen)  # [n]
+            tokens[slots, 0], nxt[slots], count[slots], lengths[slots] = first, first, 1, starts + lens
+            done[slots] = torch.isin(first, stop) | (n_new == 1)
+            span = max(span, max(len(prompts[i]) for _, i, _ in chunk) + 1)
+            n_prefills += 1
+            if stats is not None:
+                stats.prefill_rows += len(chunk)
+                stats.extended_rows += len(chunk)
+                stats.reused_tokens += sum(c for _, _, c in chunk)
         for chunk in _prefill_chunks(free, order, prompts, prefill_tokens):  # refill finished rows
             slots = torch.tensor([r for r, _ in chunk], device=dev)
             lens = torch.tensor([len(prompts[i]) for _, i in chunk], device=dev)
@@ -314,7 +380,8 @@ def native_generate(
             done |= live & (torch.isin(new, stop) | (count >= n_new))
             if stats is not None:
                 live_steps += live.sum()
-        fin = [r for r, f in enumerate(done.tolist()) if f and owner[r] >= 0]  # host sync
+        waiting = {r for r, _, _ in extend}  # finished before, kept for their follow-up
+        fin = [r for r, f in enumerate(done.tolist()) if f and owner[r] >= 0 and r not in waiting]  # host sync
         if stats is not None:
             stats.steps += sync_every
             stats.row_steps += sync_every * rows
@@ -335,9 +402,19 @@ def native_generate(
                         )
                     prompts.append(nxt_prompt)
                     out.append(None)
+                    # row r's cache holds its prompt and answer but the answer's last token (never fed)
+                    kept = _common_prefix(prompts[owner[r]] + ids_r[:-1], nxt_prompt) if reuse_cache else 0
+                    if 0 < kept < len(nxt_prompt):
+                        extend.append((r, len(prompts) - 1, kept))
+                        owner[r] = len(prompts) - 1
+                        continue
                     order.appendleft(len(prompts) - 1)  # the conversation's next turn: its critical path
                 owner[r] = -1
-            lengths[idx] = 0
+            # freed rows restart at column 0; a kept row keeps its length, so the steps it idles through until
+            # `extend` rewrite only the column after its answer (never its cached prompt and answer)
+            freed = [r for r in fin if owner[r] < 0]
+            if freed:
+                lengths[torch.tensor(freed, device=dev)] = 0
             if on_batch is not None:
                 on_batch(finished)
             span = int(lengths.max()) + 1
@@ -360,6 +437,32 @@ def compile_step() -> Callable[[BatchedNativeTarget, torch.Tensor, torch.Tensor,
             return compiled(net, input_ids, lengths, span)
 
     return step
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _extend_chunks(
+    extend: list[tuple[int, int, int]], prefill_tokens: int
+) -> list[list[tuple[int, int, int]]]:
+    """The kept follow-ups, shortest cache first, in groups whose rows × cached columns stay <= 4 ×
+    prefill_tokens (each group's forward reads every row's cache up to the longest)."""
+    chunks: list[list[tuple[int, int, int]]] = []
+    cur: list[tuple[int, int, int]] = []
+    for item in sorted(extend, key=lambda e: e[2]):
+        if cur and (len(cur) + 1) * item[2] > 4 * prefill_tokens:
+            chunks.append(cur)
+            cur = []
+        cur.append(item)
+    if cur:
+        chunks.append(cur)
+    return chunks
 
 
 def _prefill_chunks(

@@ -95,6 +95,69 @@ def test_native_continuous_batching_matches_unbatched_greedy(family):
     assert [g.ids for g in gen.generate(prompts, seed=0)] == ref
 
 
+@pytest.mark.parametrize("reuse", [True, False])
+def test_native_follow_ups_keep_their_row_cache_with_the_same_ids(family, reuse):
+    """A follow-up prompt that extends its row's prompt and answer (a conversation's next turn) stays in that row
+    and prefills only its new tokens (`BatchedNativeTarget.extend`); one that does not goes back to the queue.
+    Either way every generation equals unbatched greedy decoding of its whole prompt."""
+    from flashdraft.data.native import NativeStats, native_generate
+
+    target = tiny_target(family)
+    prompts = _prompts(97, [5, 12, 1, 9], seed=4)
+    extra = _prompts(97, [3, 6, 2, 4], seed=5)
+    stop = [_reference_greedy(target, prompts[1], 8, [])[2]]
+    params = GenerationParams(max_new_tokens=8, stop_ids=stop)
+    asked: dict[int, list[int]] = {}
+
+    def follow(i: int, g) -> list[int] | None:
+        if i >= 4:
+            return None
+        full = prompts[i] + g.ids + extra[i]  # its next turn: the history as generated, then new tokens
+        if i == 3:
+            full = [full[0] + 1] + full[1:]  # another history: not an extension of the row's cache
+        asked[4 + len(asked)] = full
+        return full
+
+    stats = NativeStats()
+    got = native_generate(
+        target, prompts, params, seed=0, rows=2, sync_every=2, prefill_tokens=40, follow_up=follow,
+        max_prompt_len=40, stats=stats, reuse_cache=reuse,
+    )  # fmt: skip
+    everything = prompts + [asked[k] for k in sorted(asked)]
+    assert len(got) == len(everything) == 8
+    assert [g.ids for g in got] == [_reference_greedy(target, p, 8, stop) for p in everything]
+    kept = [i for i in range(3) if reuse]  # the first three extend their row's cache
+    assert stats.extended_rows == len(kept)
+    assert stats.reused_tokens == sum(len(prompts[i]) + len(got[i].ids) - 1 for i in kept)
+
+
+def test_native_kept_rows_wait_for_a_group_refill_with_their_cache_intact():
+    """With 16 rows a refill waits for 2 idle rows: a kept follow-up idles through decode steps (which write
+    at its length) before its `extend`; its cached prompt and answer must survive them."""
+    from flashdraft.data.native import NativeStats, native_generate
+
+    target = tiny_target("llama")
+    prompts = _prompts(97, [3 + (7 * i) % 13 for i in range(20)], seed=6)
+    stop = [_reference_greedy(target, prompts[0], 6, [])[3]]  # answers end at different steps
+    params = GenerationParams(max_new_tokens=6, stop_ids=stop)
+    asked: list[int] = []  # the prompt each follow-up continues, in the order they were asked
+
+    def follow(i: int, g) -> list[int] | None:
+        if i >= 20:
+            return None
+        asked.append(i)
+        return prompts[i] + g.ids + [5, 6]
+
+    stats = NativeStats()
+    got = native_generate(
+        target, prompts, params, seed=0, rows=16, sync_every=1, follow_up=follow, max_prompt_len=30, stats=stats
+    )  # fmt: skip
+    first = [_reference_greedy(target, p, 6, stop) for p in prompts]
+    want = first + [_reference_greedy(target, prompts[i] + first[i] + [5, 6], 6, stop) for i in asked]
+    assert sorted(asked) == list(range(20)) and [g.ids for g in got] == want
+    assert stats.extended_rows == 20
+
+
 def test_native_stats_count_every_row_step_and_prefill():
     """NativeStats: each generated token after a row's first (which its prefill makes) is one generating
     row-step; rows × steps is the capacity, so the idle share (finished rows waiting for a refill) is the rest."""
@@ -104,7 +167,9 @@ def test_native_stats_count_every_row_step_and_prefill():
     prompts = _prompts(97, [5, 12, 1, 9, 3, 17, 7], seed=3)
     params = GenerationParams(max_new_tokens=10, stop_ids=[])
     stats = NativeStats()
-    got = native_generate(target, prompts, params, seed=0, rows=3, sync_every=3, prefill_tokens=30, stats=stats)
+    got = native_generate(
+        target, prompts, params, seed=0, rows=3, sync_every=3, prefill_tokens=30, stats=stats
+    )
     assert stats.live_row_steps == sum(len(g.ids) - 1 for g in got) == 7 * 9
     assert stats.row_steps == 3 * stats.steps and stats.steps % 3 == 0 and stats.steps >= 7 * 9 / 3
     assert stats.prefill_rows == 7 and 3 <= stats.prefills <= 7 and stats.prefill_s > 0 and stats.decode_s > 0
