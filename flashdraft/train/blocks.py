@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from flashdraft.train.batch import FeatureBatch, to_device
@@ -33,6 +34,21 @@ class Anchors:
     @property
     def count(self) -> int:
         return int(self.valid.sum())
+
+
+def looping_labels(input_ids: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """bool [R, S]: the answer tokens that end an 8-gram already ended earlier in their answer (a loss run: one
+    generated answer), as `flashdraft data inspect` counts the repetition share; an anchor at a whose a+1 is
+    one drafts inside a loop."""
+    from flashdraft.data.inspect import repeated_tokens
+
+    out = torch.zeros_like(loss_mask)
+    ids, mask = input_ids.numpy(), loss_mask.numpy()
+    for r in range(mask.shape[0]):
+        edges = np.flatnonzero(np.diff(np.concatenate([[0], mask[r].astype(np.int8), [0]])))
+        for a, b in zip(edges[::2], edges[1::2], strict=True):  # each loss run [a, b)
+            out[r, a:b] = torch.from_numpy(repeated_tokens(ids[r, a:b]))
+    return out
 
 
 def valid_anchor_positions(loss_mask: torch.Tensor, doc_ids: torch.Tensor) -> torch.Tensor:
@@ -61,15 +77,24 @@ class AnchorSampler:
         self.generator.set_state(state["generator"])
 
     def sample(
-        self, batch: FeatureBatch, max_anchors: int, block_multiple: int = 1, blocks_per_row: int = 0
-    ) -> Anchors:
+        self, batch: FeatureBatch, max_anchors: int, block_multiple: int = 1, blocks_per_row: int = 0,
+        loop_weight: float = 1.0,
+    ) -> Anchors:  # fmt: skip
         """Anchors per row, padded to the row maximum rounded up to `block_multiple` blocks
         (few distinct query lengths for compiled kernels; padding blocks carry no loss).
 
         `blocks_per_row > 0` fixes the shape instead: every row gets exactly that many blocks; a row
         whose documents offer more anchors keeps a uniform random subset of them.
+        `loop_weight` < 1: where there are more anchors than kept, an anchor whose next token repeats an earlier
+        8-gram of its answer (`looping_labels`) is kept with that weight against 1 for the others (weighted
+        sampling without replacement); 1 is uniform (and draws the same anchors as before the knob).
         """
         ok = valid_anchor_positions(batch.loss_mask, batch.doc_ids)  # [R, S]
+        weight = None
+        if loop_weight != 1.0:
+            loops = torch.zeros_like(ok)
+            loops[:, :-1] = looping_labels(batch.input_ids, batch.loss_mask)[:, 1:]  # the anchor's a+1
+            weight = torch.where(loops, loop_weight, 1.0)  # [R, S]
         per_row: list[torch.Tensor] = []
         starts: list[torch.Tensor] = []
         for r in range(ok.shape[0]):
@@ -80,16 +105,15 @@ class AnchorSampler:
                 in_doc = (doc == d).nonzero().flatten()
                 cand = ok[r, in_doc].nonzero().flatten() + in_doc[0]
                 if len(cand) > max_anchors:
-                    keep = torch.randperm(len(cand), generator=self.generator)[:max_anchors]
+                    keep = self._subset(len(cand), max_anchors, None if weight is None else weight[r, cand])
                     cand = cand[keep.sort().values]
                 picked.append(cand)
                 picked_start.append(torch.full_like(cand, int(in_doc[0])))
             row_anchors = torch.cat(picked) if picked else torch.zeros(0, dtype=torch.long)
             row_starts = torch.cat(picked_start) if picked_start else torch.zeros(0, dtype=torch.long)
             if 0 < blocks_per_row < len(row_anchors):
-                keep = (
-                    torch.randperm(len(row_anchors), generator=self.generator)[:blocks_per_row].sort().values
-                )
+                w = None if weight is None else weight[r, row_anchors]
+                keep = self._subset(len(row_anchors), blocks_per_row, w).sort().values
                 row_anchors, row_starts = row_anchors[keep], row_starts[keep]
             per_row.append(row_anchors)
             starts.append(row_starts)
@@ -107,6 +131,12 @@ class AnchorSampler:
             doc_start[r, : len(p)] = s
             valid[r, : len(p)] = True
         return Anchors(positions, doc_start, valid)
+
+    def _subset(self, n: int, k: int, weight: torch.Tensor | None) -> torch.Tensor:
+        """k of range(n): uniform, or weighted without replacement."""
+        if weight is None:
+            return torch.randperm(n, generator=self.generator)[:k]
+        return torch.multinomial(weight, k, replacement=False, generator=self.generator)
 
 
 @dataclass

@@ -48,6 +48,9 @@ class DataConfig:
     max_length: int = 3072  # paper recipe; longer documents are truncated
     token_budget: int = 16384  # target tokens per micro-batch (rows of max_length); the main memory knob
     max_anchors: int = 512  # per document (paper: 512; 1024 is a common larger setting)
+    # where a document or row offers more anchors than it keeps: the weight of an anchor whose next token repeats an
+    # earlier 8-gram of its answer (a loop), against 1 for the others; 1 = uniform (flashdraft/train/blocks.py)
+    loop_anchor_weight: float = 1.0
     shuffle: bool = True  # a fresh seeded order every epoch
     pad_multiple: int = 64  # pad row length so compiled kernels see few distinct shapes
     # 0: each row gets a block per sampled anchor (shapes vary per batch). N > 0: static shapes — every
@@ -266,6 +269,8 @@ class TrainConfig:
             raise ConfigError(f"data.token_budget {d.token_budget} must be >= 1")
         if d.max_anchors < 1:
             raise ConfigError(f"data.max_anchors {d.max_anchors} must be >= 1")
+        if not d.loop_anchor_weight > 0:
+            raise ConfigError(f"data.loop_anchor_weight {d.loop_anchor_weight} must be > 0 (1 = uniform)")
         if m.block_size < 2:
             raise ConfigError(f"model.block_size {m.block_size} must be >= 2 (slot 0 is the anchor)")
         if m.num_layers < 1:

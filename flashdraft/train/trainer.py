@@ -102,9 +102,18 @@ class TrainResult:
     last_metrics: dict[str, Any] = field(default_factory=dict)
 
 
+# knobs added after runs stored their hash: at these values (their defaults, what those runs did) they stay out of
+# it, so such a run still resumes as the same run
+ADDED_AT_DEFAULT: dict[str, dict[str, Any]] = {"data": {"loop_anchor_weight": 1.0}}
+
+
 def config_hash(cfg: TrainConfig) -> str:
     """Hash of what defines the training problem (not run_dir, checkpoint or telemetry settings)."""
     d = to_dict(cfg)
+    for section, keys in ADDED_AT_DEFAULT.items():
+        for k, v in keys.items():
+            if d[section].get(k) == v:
+                del d[section][k]
     key = {k: {**d[k], **removed_off_values(k)} for k in ("model", "data", "loss", "optim")}
     key["seed"] = d["runtime"]["seed"]
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
@@ -433,7 +442,9 @@ class Trainer:
         drafts_cpu = []
         with _phase("step/blocks"):  # host work: anchors, blocks, Σw (profiler rows; no cost without one)
             for fb in micro:
-                anchors = self.anchor_sampler.sample(fb, d.max_anchors, blocks_multiple, d.blocks_per_row)
+                anchors = self.anchor_sampler.sample(
+                    fb, d.max_anchors, blocks_multiple, d.blocks_per_row, d.loop_anchor_weight
+                )
                 draft = build_blocks(fb, anchors, self.block_size, self.mask_token_id)
                 drafts_cpu.append(draft if self.vocab is None else restrict_labels(draft, self.vocab))
             # ≥ 1 whenever any slot has a label

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch.nn.attention.flex_attention import create_mask
 
@@ -14,10 +15,11 @@ from flashdraft.train.blocks import (
     build_blocks,
     dense_block_mask,
     flex_block_mask,
+    looping_labels,
     valid_anchor_positions,
 )
 from tests.conftest import tiny_drafter, tiny_target
-from tests.train.helpers import fake_features, features_for, make_docs
+from tests.train.helpers import Doc, fake_features, features_for, make_docs
 
 MASK = 96
 
@@ -93,6 +95,50 @@ def test_blocks_per_row_fixes_the_shape_and_keeps_a_valid_subset():
         starts = tight.doc_start[r]
         assert torch.equal(starts, fb.doc_ids[r, pos].clamp(min=0).new_tensor(
             [int((fb.doc_ids[r] == fb.doc_ids[r, a]).nonzero()[0]) for a in pos.tolist()]))  # fmt: skip
+
+
+def _looping_doc(name: str, seed: int) -> Doc:
+    """A 20-token prompt, then an answer of 60 fresh tokens followed by a 5-token phrase repeated 12 times."""
+    rng = np.random.default_rng(seed)
+    ids = np.r_[rng.integers(3, 97, 20), rng.integers(3, 97, 60), np.tile(rng.integers(3, 97, 5), 12)]
+    return Doc(name, ids, np.r_[np.zeros(20, bool), np.ones(120, bool)])
+
+
+def test_looping_labels_are_the_answers_repeated_8_grams():
+    from flashdraft.data.inspect import repeated_tokens
+
+    docs = [_looping_doc("a", 1), _looping_doc("b", 2)]
+    fb = fake_features(pack_rows([docs], 320))
+    loops = looping_labels(fb.input_ids, fb.loss_mask)
+    # each document's answer alone: an 8-gram of the first answer does not count in the next
+    for start in (0, 140):
+        want = repeated_tokens(fb.input_ids[0, start + 20 : start + 140].numpy())
+        assert loops[0, start + 20 : start + 140].tolist() == want.tolist()
+        assert not loops[0, start : start + 20].any()  # prompts are no loop
+    assert int(loops[0, 20:140].sum()) == (60 - 7) - 5  # the loop's 53 8-grams but the first of each of its 5
+
+
+def test_loop_anchor_weight_keeps_fewer_anchors_inside_loops():
+    docs = [_looping_doc(f"d{i}", i) for i in range(4)]
+    fb = fake_features(pack_rows([docs[:2], docs[2:]], 320))
+    ok = valid_anchor_positions(fb.loss_mask, fb.doc_ids)
+    loops = torch.zeros_like(ok)
+    loops[:, :-1] = looping_labels(fb.input_ids, fb.loss_mask)[:, 1:]
+    share = float(loops[ok].float().mean())  # about half of the candidates draft inside the loop
+
+    def kept_share(weight: float, **kw: int) -> float:
+        s, got = AnchorSampler(5), []
+        for _ in range(20):
+            a = s.sample(fb, loop_weight=weight, **kw)
+            got.append(loops.gather(1, a.positions)[a.valid].float())
+        return float(torch.cat(got).mean())
+
+    for kw in ({"max_anchors": 24}, {"max_anchors": 512, "blocks_per_row": 24}):
+        assert abs(kept_share(1.0, **kw) - share) < 0.1
+        assert kept_share(0.05, **kw) < share / 4
+    # weight 1 is the uniform sampler itself: the same anchors, draw for draw
+    a, b = AnchorSampler(9).sample(fb, 24), AnchorSampler(9).sample(fb, 24, loop_weight=1.0)
+    assert torch.equal(a.positions, b.positions)
 
 
 def test_labels_are_same_position_not_shifted_and_dropped_outside_mask():

@@ -50,6 +50,7 @@ def test_unknown_keys_and_bad_values_are_errors(overrides, message):
         (["data.dataset=x", "model.block_size=12"], "set loss.gamma"),
         (["data.dataset=x", "optim.betas=[0.9]"], "optim.betas"),
         (["data.dataset=x", "data.max_anchors=0"], "data.max_anchors 0 must be >= 1"),
+        (["data.dataset=x", "data.loop_anchor_weight=0"], "data.loop_anchor_weight 0.0 must be > 0"),
         (["data.dataset=x", "runtime.attention=magic"], "runtime.attention"),
         (["data.dataset=x", "runtime.compile=true"], "runtime.compile 'True': use none or a comma-separated"),
         (["data.dataset=x", "runtime.compile=attention,lossy"], "runtime.compile 'attention,lossy'"),
@@ -169,6 +170,13 @@ def test_a_run_config_saved_before_the_knob_removals_still_loads_and_hashes_the_
     assert config_hash(cfg) == "1f4b703e10f539b5"
     shipped = load_config(TrainConfig, CONFIGS / "smollm2-b16.yaml", ["data.dataset=d", "optim.lr=0.001"])
     assert config_hash(shipped) == "843aaa818a5338e9"
+    # a knob added since (data.loop_anchor_weight) enters the hash only away from its default
+    assert config_hash(load_config(TrainConfig, None, ["data.dataset=x", "data.loop_anchor_weight=1.0"])) == (
+        "1f4b703e10f539b5"
+    )
+    assert config_hash(load_config(TrainConfig, None, ["data.dataset=x", "data.loop_anchor_weight=0.3"])) != (
+        "1f4b703e10f539b5"
+    )
 
 
 @pytest.mark.parametrize(

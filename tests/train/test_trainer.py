@@ -183,6 +183,21 @@ class _NaNAt:
         return getattr(self.inner, name)
 
 
+def test_loop_anchor_weight_reaches_the_sampler(tmp_path, monkeypatch):
+    from flashdraft.train.blocks import AnchorSampler
+
+    seen: list[float] = []
+    sample = AnchorSampler.sample
+
+    def spy(self, *a, **k):  # noqa: ANN001, ANN202
+        seen.append(a[4] if len(a) > 4 else k.get("loop_weight", 1.0))
+        return sample(self, *a, **k)
+
+    monkeypatch.setattr(AnchorSampler, "sample", spy)
+    make_trainer(tmp_path, ["optim.max_steps=2", "data.loop_anchor_weight=0.25"]).run()
+    assert seen and set(seen) == {0.25}
+
+
 def test_nan_step_is_skipped_and_training_continues(tmp_path):
     weights: dict[int, dict[str, torch.Tensor]] = {}
 
