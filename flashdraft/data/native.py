@@ -145,27 +145,17 @@ class BatchedNativeTarget:
         Returns the logits after each prompt's last token, [n, V]. Padding columns get K/V that no
         query ever attends: causal attention keeps them after every real token of their row."""
         n, p_len = input_ids.shape
-        h = self.inner.embed_tokens(input_ids)  # [n, P, H]
-        pos = torch.arange(p_len, device=h.device)[None].expand(n, p_len)  # [n, P]
-        cos, sin = self.inner.rotary_emb(h, pos)  # [n, P, hd]
-        cos, sin = rope_tables(cos[:, None], sin[:, None])  # [n, 1, P, hd]
         rep = self.n_heads // self.n_kv
-        for i, layer in enumerate(self.layers):
-            attn = layer.self_attn
-            q, k, v = target_qkv(
-                layer, h, self.n_heads, self.n_kv, self.head_dim, cos, sin
-            )  # [n, heads|kv, P, hd]
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
             self.cache[i, 0, slots, :, :p_len] = k
             self.cache[i, 1, slots, :, :p_len] = v
             if rep > 1:  # head h reads kv head h // rep
                 k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)  # [n, heads, P, hd]
-            o = F.scaled_dot_product_attention(
-                q, k, v, is_causal=True, scale=attn.scaling
-            )  # [n, heads, P, hd]
-            h = h + attn.o_proj(o.transpose(1, 2).reshape(n, p_len, self.n_heads * self.head_dim))
-            h = h + layer.mlp(rms_norm(layer.post_attention_layernorm, h))
-        last = h[torch.arange(n, device=h.device), lengths - 1]  # [n, H] the last real token of each row
-        return self._logits(last)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+
+        pos = torch.arange(p_len, device=input_ids.device)[None].expand(n, p_len)  # [n, P]
+        return self._new_tokens(input_ids, pos, lengths, attend)
 
     @torch.no_grad()
     def extend(
@@ -185,26 +175,38 @@ class BatchedNativeTarget:
         allowed = torch.arange(span, device=dev)[None, None] <= pos[:, :, None]  # [n, P, span]
         mask = additive_mask(allowed, self.target.dtype)[:, None]  # [n, 1, P, span]
         rows_w, cols_w = slots[:, None].expand(n, p_len)[real], pos[real]  # [M] the real tokens' cells
-        h = self.inner.embed_tokens(input_ids)  # [n, P, H]
-        cos, sin = self.inner.rotary_emb(h, pos)  # [n, P, hd]
-        cos, sin = rope_tables(cos[:, None], sin[:, None])  # [n, 1, P, hd]
         rep = self.n_heads // self.n_kv
-        for i, layer in enumerate(self.layers):
-            attn = layer.self_attn
-            q, k, v = target_qkv(
-                layer, h, self.n_heads, self.n_kv, self.head_dim, cos, sin
-            )  # [n, heads|kv, P, hd]
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
             self.cache[i, 0, rows_w, :, cols_w] = k.transpose(1, 2)[real]  # [M, kv, hd]
             self.cache[i, 1, rows_w, :, cols_w] = v.transpose(1, 2)[real]
             kc, vc = self.cache[i, 0, slots, :, :span], self.cache[i, 1, slots, :, :span]  # [n, kv, span, hd]
             if rep > 1:  # head h reads kv head h // rep
                 kc, vc = kc.repeat_interleave(rep, dim=1), vc.repeat_interleave(rep, dim=1)
-            o = F.scaled_dot_product_attention(
-                q, kc, vc, attn_mask=mask, scale=attn.scaling
-            )  # [n, heads, P, hd]
+            return F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, scale=scale)
+
+        return self._new_tokens(input_ids, pos, lengths, attend)
+
+    def _new_tokens(
+        self, input_ids: torch.Tensor, pos: torch.Tensor, lengths: torch.Tensor,
+        attend: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor],
+    ) -> torch.Tensor:  # fmt: skip
+        """The layers over n rows of P new tokens at positions `pos` [n, P]; `attend(layer, q, k, v, scale)` writes
+        the layer's K/V into the cache and returns the attention output [n, heads, P, hd]. → the logits after each
+        row's last real token (`lengths` [n]), [n, V]."""
+        n, p_len = input_ids.shape
+        h = self.inner.embed_tokens(input_ids)  # [n, P, H]
+        cos, sin = self.inner.rotary_emb(h, pos)  # [n, P, hd]
+        cos, sin = rope_tables(cos[:, None], sin[:, None])  # [n, 1, P, hd]
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            q, k, v = target_qkv(
+                layer, h, self.n_heads, self.n_kv, self.head_dim, cos, sin
+            )  # [n, heads|kv, P, hd]
+            o = attend(i, q, k, v, attn.scaling)  # [n, heads, P, hd]
             h = h + attn.o_proj(o.transpose(1, 2).reshape(n, p_len, self.n_heads * self.head_dim))
             h = h + layer.mlp(rms_norm(layer.post_attention_layernorm, h))
-        last = h[torch.arange(n, device=dev), lengths - 1]  # [n, H]
+        last = h[torch.arange(n, device=h.device), lengths - 1]  # [n, H] the last real token of each row
         return self._logits(last)
 
     def _write_kv(
@@ -381,7 +383,8 @@ def native_generate(
             if stats is not None:
                 live_steps += live.sum()
         waiting = {r for r, _, _ in extend}  # finished before, kept for their follow-up
-        fin = [r for r, f in enumerate(done.tolist()) if f and owner[r] >= 0 and r not in waiting]  # host sync
+        flags = done.tolist()  # host sync
+        fin = [r for r, f in enumerate(flags) if f and owner[r] >= 0 and r not in waiting]
         if stats is not None:
             stats.steps += sync_every
             stats.row_steps += sync_every * rows
