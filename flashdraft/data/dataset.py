@@ -82,6 +82,12 @@ class Sample:
             )
 
 
+def loss_runs(mask: Any) -> list[tuple[int, int]]:
+    """[start, end) of each run of True in a loss mask: one per answered turn, in order."""
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], np.asarray(mask, np.int8), [0]])))
+    return list(zip(edges[::2].tolist(), edges[1::2].tolist(), strict=True))
+
+
 # --------------------------------------------------------------------------------------------- reading
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from flashdraft.data.dataset import SPLITS, DatasetError, Sample, open_dataset
+from flashdraft.data.dataset import SPLITS, DatasetError, Sample, loss_runs, open_dataset
 
 
 def histogram(lengths: np.ndarray, bins: int = 10, width: int = 40) -> list[str]:
@@ -96,10 +96,8 @@ def repetition_stats(samples: Any) -> RepetitionStats:
     """Repetition over every answer (loss run) of `samples` (a Dataset split or any iterable of Samples)."""
     st = RepetitionStats()
     for s in samples:
-        m = s.loss_mask.astype(np.int8)
-        edges = np.flatnonzero(np.diff(np.concatenate([[0], m, [0]])))  # starts and ends of the loss runs
         finish = s.meta.get("finish") or []
-        for k, (a, b) in enumerate(zip(edges[::2].tolist(), edges[1::2].tolist(), strict=True)):
+        for k, (a, b) in enumerate(loss_runs(s.loss_mask)):
             rep = repeated_tokens(s.input_ids[a:b])
             st.answers += 1
             st.tokens += b - a

@@ -322,6 +322,13 @@ def native_generate(
     extend: list[tuple[int, int, int]] = []
     live_steps = torch.zeros((), dtype=torch.long, device=dev)  # stats: generating rows summed over steps
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+
+    def begin(slots: torch.Tensor, logits: torch.Tensor, filled: torch.Tensor) -> None:
+        """Rows `slots` start an answer: its first token from `logits` [n, V], their caches `filled` [n] long."""
+        first = choose_next(logits, params, gen)  # [n]
+        tokens[slots, 0], nxt[slots], count[slots], lengths[slots] = first, first, 1, filled
+        done[slots] = torch.isin(first, stop) | (n_new == 1)
+
     while True:
         t0 = time.perf_counter()
         if deadline is not None and t0 >= deadline:
@@ -340,9 +347,7 @@ def native_generate(
             new_ids = [prompts[i][c:] for _, i, c in chunk]
             lens = torch.tensor([len(x) for x in new_ids], device=dev)
             ids = pad_rows(new_ids, max(len(x) for x in new_ids), 0, left=False)  # [n, P]
-            first = choose_next(net.extend(slots, ids.to(dev), starts, lens), params, gen)  # [n]
-            tokens[slots, 0], nxt[slots], count[slots], lengths[slots] = first, first, 1, starts + lens
-            done[slots] = torch.isin(first, stop) | (n_new == 1)
+            begin(slots, net.extend(slots, ids.to(dev), starts, lens), starts + lens)
             span = max(span, max(len(prompts[i]) for _, i, _ in chunk) + 1)
             n_prefills += 1
             if stats is not None:
@@ -356,9 +361,7 @@ def native_generate(
             ids = pad_rows([prompts[i] for _, i in chunk], width, 0, left=False)  # [n, P]
             for r, i in chunk:
                 owner[r] = i
-            first = choose_next(net.prefill(slots, ids.to(dev), lens), params, gen)  # [n]
-            tokens[slots, 0], nxt[slots], count[slots], lengths[slots] = first, first, 1, lens
-            done[slots] = torch.isin(first, stop) | (n_new == 1)
+            begin(slots, net.prefill(slots, ids.to(dev), lens), lens)
             span = max(span, width + 1)
             n_prefills += 1
             if stats is not None:

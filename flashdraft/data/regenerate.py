@@ -61,11 +61,12 @@ import shutil
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from flashdraft.data.dataset import Sample, _write_parquet, truncate_sample, write_dataset
+from flashdraft.data.dataset import Sample, _write_parquet, loss_runs, truncate_sample, write_dataset
 from flashdraft.data.generate import Generator
 from flashdraft.data.sources import Conversation, SourceStats, iter_conversations
 from flashdraft.data.template import ChatTemplate, ConversationBuilder, rendering_key
@@ -193,19 +194,11 @@ def collect_conversations(cfg: RegenConfig) -> tuple[list[Conversation], Counter
     return convs, drops, stats
 
 
-def _loss_runs(mask: Any) -> list[tuple[int, int]]:
-    """[start, end) of each run of True in a loss mask: one per answered turn, in order."""
-    import numpy as np
-
-    edges = np.flatnonzero(np.diff(np.concatenate([[0], np.asarray(mask, np.int8), [0]])))
-    return list(zip(edges[::2].tolist(), edges[1::2].tolist(), strict=True))
-
-
 def split_by_turn(s: Sample) -> list[Sample]:
     """One sample per answered turn: the history up to that turn's response, loss on that response only."""
     import numpy as np
 
-    runs = _loss_runs(s.loss_mask)
+    runs = loss_runs(s.loss_mask)
     if len(runs) <= 1:
         return [s]
     first, last = s.meta["turns"]
@@ -274,7 +267,7 @@ def _chain(samples: list[Sample]) -> tuple[list[str | None], History] | None:
     history: History = []
     for s in samples:
         first, last = s.meta["turns"]
-        runs = _loss_runs(s.loss_mask)
+        runs = loss_runs(s.loss_mask)
         users = [m["content"] for m in s.meta["prompt"] if m["role"] == "user"][-(last - first) :]
         if first != len(history) or s.meta.get("truncated") or not len(runs) == len(users) == last - first:
             return None
@@ -353,7 +346,8 @@ def regenerate_shard(
     conversation in one batched call, then turn 1, ..."""
     builders = _builders(convs, template, cfg, history or {})
     if getattr(generator, "follows_up", False):
-        _regenerate_async(builders, generator, cfg.seed * 1_000_003 + shard * 1_009, cfg.max_length, progress)
+        seed = cfg.seed * 1_000_003 + shard * 1_009
+        _answer_with_follow_ups([builders], generator, seed, cfg.max_length, progress)
     else:
         _regenerate_turn_by_turn(builders, generator, cfg, shard, progress)
     return _shard_samples(builders, cfg, drops)
@@ -411,30 +405,45 @@ def _regenerate_turn_by_turn(
         turn += 1
 
 
-def _regenerate_async(
-    builders: list[ConversationBuilder], generator: Any, seed: int, max_length: int, progress: _Progress | None
+def _answer_with_follow_ups(
+    groups: list[list[ConversationBuilder]], generator: Any, seed: int, max_length: int, progress: _Progress | None,
+    conversation_done: Callable[[int], None] | None = None, deadline: float | None = None,
 ) -> None:  # fmt: skip
-    """Drive every conversation through one generate call: each answer's follow-up is its next prompt."""
-    owner: list[ConversationBuilder] = []
+    """Drive every conversation of `groups` through one generate call, each answer's follow-up its next prompt;
+    earlier groups first, within one the conversations with more turns (the longest critical path).
+    `conversation_done(g)` is told of every conversation of group g with nothing left to answer (one whose
+    first prompt is already over max_length at once); the call returns at `deadline`."""
+    owner: list[tuple[int, ConversationBuilder]] = []  # per prompt given to the generator: its group, builder
     firsts: list[list[int]] = []
-    for b in builders:
-        if (p := b.next_prompt()) is not None:
-            owner.append(b)
+    priority: list[int] = []
+    for g, builders in enumerate(groups):
+        unanswerable = 0
+        for b in builders:
+            if (p := b.next_prompt()) is None:
+                unanswerable += 1
+                continue
+            owner.append((g, b))
             firsts.append(p)
+            priority.append((len(groups) - g) * 1_000_000 + len(b.conversation.user_turns))
+        if conversation_done is not None:
+            for _ in range(unanswerable):
+                conversation_done(g)
     if not firsts:
         return
 
-    def follow(i: int, g: Any) -> list[int] | None:
-        b = owner[i]
-        b.add_response(g.ids, g.finish)
+    def follow(i: int, gen: Any) -> list[int] | None:
+        g, b = owner[i]
+        b.add_response(gen.ids, gen.finish)
         p = b.next_prompt()
         if p is not None:
-            owner.append(b)  # the follow-up's index is the next one: len(owner) - 1
+            owner.append((g, b))  # the follow-up's index is the next one: len(owner) - 1
+        elif conversation_done is not None:
+            conversation_done(g)
         return p
 
     generator.generate(
-        firsts, seed, on_batch=progress.update if progress else None, follow_up=follow,
-        priority=[len(b.conversation.user_turns) for b in owner], max_prompt_len=max_length,
+        firsts, seed, on_batch=progress.update if progress else None, follow_up=follow, priority=priority,
+        max_prompt_len=max_length, deadline=deadline,
     )  # fmt: skip
 
 
@@ -639,47 +648,18 @@ def _regenerate_streaming(
     shard's tail (63% of the rows generating with 1,024-conversation shards of 512 rows on an H100, 2026-12-06).
     A greedy answer depends only on its history, so every shard holds what a shard-by-shard run writes. At
     `deadline` the call returns: shards not finished by then are not written, and a rerun answers them."""
-    builders = {k: _builders(shards[k], template, cfg, history) for k in todo}
-    left = {k: len(bs) for k, bs in builders.items()}  # conversations of each shard still being answered
+    groups = [_builders(shards[k], template, cfg, history) for k in todo]
+    left = [len(g) for g in groups]  # conversations of each shard still being answered
 
-    def conversation_done(k: int) -> None:
-        left[k] -= 1
-        if left[k] == 0:
+    def conversation_done(g: int) -> None:
+        left[g] -= 1
+        if left[g] == 0:
             drops: Counter[str] = Counter()
-            _write_shard(path_of[k], _shard_samples(builders[k], cfg, drops), drops)
+            _write_shard(path_of[todo[g]], _shard_samples(groups[g], cfg, drops), drops)
 
-    owner: list[tuple[int, ConversationBuilder]] = []  # per prompt given to the generator: its shard, builder
-    firsts: list[list[int]] = []
-    priority: list[int] = []
-    for rank, k in enumerate(todo):
-        unanswerable = 0  # first prompt over max_length: nothing to answer
-        for b in builders[k]:
-            if (p := b.next_prompt()) is None:
-                unanswerable += 1
-                continue
-            owner.append((k, b))
-            firsts.append(p)
-            # earlier shards first; within one, the conversations with more turns (longest critical path)
-            priority.append((len(todo) - rank) * 1_000_000 + len(b.conversation.user_turns))
-        for _ in range(unanswerable):
-            conversation_done(k)
-    if not firsts:
-        return
-
-    def follow(i: int, g: Any) -> list[int] | None:
-        k, b = owner[i]
-        b.add_response(g.ids, g.finish)
-        p = b.next_prompt()
-        if p is None:
-            conversation_done(k)
-        else:
-            owner.append((k, b))  # the follow-up's index is the next one: len(owner) - 1
-        return p
-
-    generator.generate(
-        firsts, cfg.seed, on_batch=progress.update, follow_up=follow, priority=priority,
-        max_prompt_len=cfg.max_length, deadline=deadline,
-    )  # fmt: skip
+    _answer_with_follow_ups(
+        groups, generator, cfg.seed, cfg.max_length, progress, conversation_done, deadline
+    )
 
 
 def load_tokenizer(target: str) -> Any:

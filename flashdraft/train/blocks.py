@@ -17,7 +17,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from flashdraft.train.batch import FeatureBatch, to_device
@@ -40,13 +39,13 @@ def looping_labels(input_ids: torch.Tensor, loss_mask: torch.Tensor) -> torch.Te
     """bool [R, S]: the answer tokens that end an 8-gram already ended earlier in their answer (a loss run: one
     generated answer), as `flashdraft data inspect` counts the repetition share; an anchor at a whose a+1 is
     one drafts inside a loop."""
+    from flashdraft.data.dataset import loss_runs
     from flashdraft.data.inspect import repeated_tokens
 
     out = torch.zeros_like(loss_mask)
-    ids, mask = input_ids.numpy(), loss_mask.numpy()
-    for r in range(mask.shape[0]):
-        edges = np.flatnonzero(np.diff(np.concatenate([[0], mask[r].astype(np.int8), [0]])))
-        for a, b in zip(edges[::2], edges[1::2], strict=True):  # each loss run [a, b)
+    ids = input_ids.numpy()
+    for r in range(loss_mask.shape[0]):
+        for a, b in loss_runs(loss_mask[r].numpy()):
             out[r, a:b] = torch.from_numpy(repeated_tokens(ids[r, a:b]))
     return out
 
