@@ -58,6 +58,8 @@ class DataConfig:
     # offering more anchors keep a random N); what runtime.compile=model needs to compile once
     blocks_per_row: int = 0
 
+    # keys added after runs stored their config hash, at the value those runs had (`hashed_section`)
+    ADDED: ClassVar[dict[str, Any]] = {"loop_anchor_weight": 1.0}
     REMOVED: ClassVar[dict[str, Removed]] = {
         "greedy_labels": Removed(
             "labelling the prompts with the target's greedy tokens measured no better: held-out chain tau 1.480 vs "
@@ -406,9 +408,13 @@ class TrainConfig:
             )
 
 
-def removed_off_values(section: str) -> dict[str, Any]:
-    """TrainConfig section `section`'s removed keys at their off value, as configs saved before the removal hold
-    them: config_hash adds them back so a run started before a removal resumes as the same run."""
+def hashed_section(section: str, values: dict[str, Any]) -> dict[str, Any]:
+    """What config_hash hashes of TrainConfig section `section` (its `to_dict` values): the keys added since runs
+    stored their hash left out while at the value those runs had (`ADDED`), the removed keys put back at their off
+    value as configs saved before the removal hold them (`REMOVED`), so a run started before either change
+    resumes as the same run."""
     cls = typing.get_type_hints(TrainConfig).get(section)
+    added: dict[str, Any] = getattr(cls, "ADDED", {})
     removed: dict[str, Removed] = getattr(cls, "REMOVED", {})
-    return {k: r.inert[0] for k, r in removed.items() if r.inert}
+    kept = {k: v for k, v in values.items() if not (k in added and v == added[k])}
+    return {**kept, **{k: r.inert[0] for k, r in removed.items() if r.inert}}

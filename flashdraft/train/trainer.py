@@ -37,7 +37,7 @@ from flashdraft.train.checkpoint import (
     save_checkpoint,
     step_of,
 )
-from flashdraft.train.config import TrainConfig, fused_ce_on, removed_off_values
+from flashdraft.train.config import TrainConfig, fused_ce_on, hashed_section
 from flashdraft.train.ema import WeightEMA
 from flashdraft.train.flops import step_flops, trainable_params
 from flashdraft.train.host import HostThreads, resolve_host_threads
@@ -102,19 +102,10 @@ class TrainResult:
     last_metrics: dict[str, Any] = field(default_factory=dict)
 
 
-# knobs added after runs stored their hash: at these values (their defaults, what those runs did) they stay out of
-# it, so such a run still resumes as the same run
-ADDED_AT_DEFAULT: dict[str, dict[str, Any]] = {"data": {"loop_anchor_weight": 1.0}}
-
-
 def config_hash(cfg: TrainConfig) -> str:
     """Hash of what defines the training problem (not run_dir, checkpoint or telemetry settings)."""
     d = to_dict(cfg)
-    for section, keys in ADDED_AT_DEFAULT.items():
-        for k, v in keys.items():
-            if d[section].get(k) == v:
-                del d[section][k]
-    key = {k: {**d[k], **removed_off_values(k)} for k in ("model", "data", "loss", "optim")}
+    key = {k: hashed_section(k, d[k]) for k in ("model", "data", "loss", "optim")}
     key["seed"] = d["runtime"]["seed"]
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
