@@ -13,6 +13,12 @@ Expected tokens/s of a method = τ(method) / seconds per round(method), AR's τ 
   is given, else from a conservative prior (PRIOR_TAU). Either way it adapts online: the rounds a
   method runs pull its estimate toward what it achieved (`prior_weight` rounds of pseudo-count), and
   methods not running are scaled by how the running ones fared against their starting values.
+- A DDTree round of budget b also tells every smaller budget's round: the tree of b' < b nodes is the
+  first b' nodes of b's (the same best-first order), so it would have accepted the path's nodes up to
+  b' (the same tokens at T = 0; at T > 0 the target's samples at those nodes, which have the same law).
+  So the largest budget runs first, and again every `explore_every` choices, while its expected rate is
+  at least `explore_ratio` of the best: one generation then measures every budget on this workload,
+  where an eval report's τ came from other prompts.
 
 The choice is made again every `period` rounds (inside a generation on the reference decoder,
 between generations on the fast engine). Every choice decodes losslessly, so any sequence of
@@ -220,9 +226,13 @@ class AutoPolicy:
     start_tau: dict[str, float]  # label -> τ before any round (an eval report's, else `prior_tau`)
     prior_weight: float = 8.0  # rounds of pseudo-count behind each starting τ
     period: int = 4  # rounds between two choices inside a generation
+    # the largest budget runs (its rounds measure every budget) while its rate is at least this share of the best
+    explore_ratio: float = 0.8
+    explore_every: int = 32  # choices between two such runs
     observed: dict[str, list[int]] = field(default_factory=dict)  # label -> [rounds, tokens committed]
     history: list[str] = field(default_factory=list)  # the choices in order, a repeat recorded once
     counts: dict[str, int] = field(default_factory=dict)  # label -> times chosen
+    explored_at: int | None = None  # the choice (count of all choices) that last ran the largest budget
 
     def __post_init__(self) -> None:
         missing = [k for k in self.seconds if k != "ar" and k not in self.start_tau]
@@ -267,6 +277,14 @@ class AutoPolicy:
             return "ar", None  # nothing is learned while AR runs: AR stays
         r = self.rates()
         best = max(r, key=lambda k: (r[k], k == "ar"))  # ties go to AR
+        trees = [k for k in r if k.startswith("ddtree:")]
+        largest = max(trees, key=lambda k: parse_label(k)[1] or 0) if trees else None
+        made = sum(self.counts.values())
+        due = self.explored_at is None or made - self.explored_at >= self.explore_every
+        if largest is not None and best != "ar" and due and r[largest] >= self.explore_ratio * r[best]:
+            best = largest  # one of its rounds measures every smaller budget too
+        if best == largest:
+            self.explored_at = made
         self._record(best)
         return parse_label(best)
 
@@ -276,13 +294,26 @@ class AutoPolicy:
             self.history.append(lab)
             del self.history[:-1000]  # a server's policy lives long: keep the recent switches
 
-    def observe(self, choice: Choice, accepted: list[int]) -> None:
-        """Tokens committed per round while `choice` ran."""
+    def observe(self, choice: Choice, accepted: list[int], paths: list[list[int]] | None = None) -> None:
+        """Tokens committed per round while `choice` ran; for DDTree rounds, `paths` (GenerationResult.tree_paths,
+        one per round) also count as rounds of every smaller candidate budget: 1 + the path's nodes <= b' each."""
         lab = label(choice)
         if lab == "ar" or not accepted:
             return
+        if paths is not None and len(paths) != len(accepted):
+            raise ValueError(f"{len(paths)} tree paths for {len(accepted)} rounds")
+        self._add(lab, len(accepted), sum(accepted))
+        method, budget = choice
+        if method != "ddtree" or paths is None or budget is None:
+            return
+        for k in self.seconds:
+            m, b = parse_label(k)
+            if m == "ddtree" and b is not None and b < budget:
+                self._add(k, len(paths), sum(1 + sum(1 for node in path if node <= b) for path in paths))
+
+    def _add(self, lab: str, rounds: int, tokens: int) -> None:
         n, tok = self.observed.get(lab, [0, 0])
-        self.observed[lab] = [n + len(accepted), tok + sum(accepted)]
+        self.observed[lab] = [n + rounds, tok + tokens]
 
 
 def candidates_for(device: torch.device, drafter: Any, budgets: list[int] | None = None) -> list[Choice]:

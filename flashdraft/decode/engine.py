@@ -342,7 +342,8 @@ class FastEngine:
         self.seq_len = torch.zeros(1, **long)
         self.bonus = torch.zeros(1, **long)
         self.n_pending = torch.zeros(1, **long)  # context rows of `pending` the drafter has not seen
-        self.out = torch.zeros(self.block + 1, **long)  # [accepted, committed tokens..., garbage]
+        # [accepted, committed tokens... (B), a tree round's path: node indices root first... (B)]
+        self.out = torch.zeros(2 * self.block + 1, **long)
         self.kv_idx = torch.arange(self.capacity, **long)
         self.block_ar = torch.arange(self.block, **long)
         self.generator = torch.Generator(device=dev)
@@ -461,7 +462,7 @@ class FastEngine:
             (self.draft_tokens == choice[:-1]).long().cumprod(dim=0).sum().view(1)
         )  # longest matching prefix
         self.out[:1].copy_(accepted)
-        self.out[1:].copy_(choice)  # committed: choice[0..a] (= the accepted drafts, then the new bonus)
+        self.out[1 : self.block + 1].copy_(choice)  # committed: choice[0..a], the accepted drafts and bonus
         self.pending.copy_(b["features"])  # rows 0..a: the old bonus and the accepted drafts
         self.n_pending.fill_(1)
         self.n_pending += accepted
@@ -491,7 +492,8 @@ class FastEngine:
         nxt = path[(self.block_ar + 1).clamp(max=self.block - 1)]
         committed = torch.where(self.block_ar == accepted, choice[last], tokens[nxt])  # [B]
         self.out[:1].copy_(accepted)
-        self.out[1:].copy_(committed)
+        self.out[1 : self.block + 1].copy_(committed)
+        self.out[self.block + 1 :].copy_(path)  # the accepted nodes in build order: what smaller budgets keep
         # the path's K/V move to sit right after the committed prefix (gather first: rows overlap)
         cache = self.native.cache  # [layers, 2, kv, S, hd]
         kept = cache.index_select(3, self.seq_len + path)
@@ -503,10 +505,12 @@ class FastEngine:
 
     # -- the host loop
 
-    def _read_round(self) -> list[int]:
-        """The one host read per round (a sync): accepted length and the committed tokens."""
+    def _read_round(self) -> tuple[list[int], list[int]]:
+        """The one host read per round (a sync): the committed tokens, and a tree round's accepted nodes (their
+        build-order indices, root excluded; meaningless for other rounds)."""
         host = self.out.tolist()
-        return host[1 : host[0] + 2]
+        a = host[0]
+        return host[1 : a + 2], host[self.block + 2 : self.block + 2 + a]
 
     @torch.no_grad()
     def generate(
@@ -546,7 +550,8 @@ class FastEngine:
                 full = (
                     res.acceptance_lengths[:-1] if res.stop_reason != "cancelled" else res.acceptance_lengths
                 )
-                policy.observe(choice, full)  # the last round may be truncated: it says nothing of the method
+                # the last round may be truncated: it says nothing of the method
+                policy.observe(choice, full, res.tree_paths[: len(full)] if choice[0] == "ddtree" else None)
             return res
         if method == "ddtree" and budget == 0:
             raise ValueError("budget 0 is a root-only tree: use method='ar' on the fast engine")
@@ -608,9 +613,12 @@ class FastEngine:
                     fn()
                     marks.append(time.perf_counter())
             t_read = time.perf_counter()
-            new, reason = truncate_round(self._read_round(), remaining, stop)
+            committed, nodes = self._read_round()
+            new, reason = truncate_round(committed, remaining, stop)
             result.rounds += 1
             result.acceptance_lengths.append(len(new))
+            if method == "ddtree":
+                result.tree_paths.append(nodes)
             done = deliver(result, new, reason, on_tokens)
             if profile:
                 host_ms = (time.perf_counter() - t_read) * 1e3

@@ -56,6 +56,9 @@ class GenerationResult:
     timings: Timings = field(default_factory=Timings)
     method: str = "chain"
     budget: int | None = None
+    # per DDTree round, the accepted nodes' build-order indices (root excluded; parents before children): a tree of
+    # b smaller than the round's budget holds nodes 1..b, so it would have accepted the path's nodes <= b
+    tree_paths: list[list[int]] = field(default_factory=list)
 
     @property
     def mean_acceptance(self) -> float:
@@ -292,15 +295,16 @@ def generate(
                 )
             else:
                 assert b is not None
-                new = _tree_verify(
+                new, nodes = _tree_verify(
                     target, layer_ids, state, draft_logits, b, params, generator, remaining, stop, timings,
                     sync_timings,
                 )  # fmt: skip
+                result.tree_paths.append(nodes)
         new, reason = truncate_round(new, remaining, stop)
         result.rounds += 1
         result.acceptance_lengths.append(len(new))
         if method == "auto" and reason is None:  # a truncated round says nothing of the method
-            policy.observe(choice, [len(new)])
+            policy.observe(choice, [len(new)], [result.tree_paths[-1]] if m == "ddtree" else None)
         done = commit(new, reason)
     timings.decode_s = time.perf_counter() - t_decode
     timings.total_s = time.perf_counter() - t_start
@@ -419,7 +423,8 @@ def _tree_verify(
     stop: set[int],
     timings: Timings,
     sync_timings: bool,
-) -> list[int]:
+) -> tuple[list[int], list[int]]:
+    """One DDTree round: the committed tokens, and the accepted nodes (build order, root excluded)."""
     t0 = time.perf_counter()
     p = state.position
     tree = build_tree(draft_logits, budget)  # host read of the per-slot top-k inside
@@ -450,4 +455,4 @@ def _tree_verify(
     state.bonus = choice[path[m - 1]].view(1)
     state.position = p + m
     timings.verify_s += time.perf_counter() - t1
-    return new
+    return new, path[1:]

@@ -49,7 +49,7 @@ class Scripted:
         self.i += 1
         return c
 
-    def observe(self, choice, accepted) -> None:  # type: ignore[no-untyped-def]
+    def observe(self, choice, accepted, paths=None) -> None:  # type: ignore[no-untyped-def]
         self.seen.append((choice, accepted))
 
 
@@ -296,3 +296,65 @@ def test_serve_engine_auto_uses_one_learning_policy(tmp_path, monkeypatch) -> No
     assert len(done) == 1 and done[0].completion_tokens == 10 and engine.policy.history
     text = "".join(getattr(e, "text", "") for e in events)
     assert text.split() == [str(t) for t in ar]
+
+
+def test_a_tree_round_tells_what_every_smaller_budget_would_have_accepted() -> None:
+    """The first round of a budget-16 DDTree read for b < 16 through its path (its nodes <= b: a b-node tree is the
+    first b nodes) commits what a budget-b round from the same state commits (float64, a mostly-right drafter)."""
+    target = tiny_target("llama", layers=4, seed=2)
+    inner = tiny_drafter(target, layers=1, block_size=BLOCK)
+    rng = random.Random(1)
+    seen, cut = set(), 0
+
+    def first_round(prompt: list[int], seed: int, budget: int):  # type: ignore[no-untyped-def]
+        oracle = OracleDrafter(target, inner, prompt, error_rate=0.2, sharpness=4.0, seed=seed)
+        return generate(target, oracle, prompt, max_new_tokens=BLOCK + 1, method="ddtree", budget=budget,
+                        on_tokens=oracle.on_tokens)  # fmt: skip
+
+    for i in range(12):
+        prompt = [rng.randrange(target.vocab_size) for _ in range(rng.randint(2, 9))]
+        big = first_round(prompt, i, 16)
+        path = big.tree_paths[0]
+        assert big.acceptance_lengths[0] == 1 + len(path) and path == sorted(path)
+        for b in (1, 2, 4, 8):
+            small = first_round(prompt, i, b)
+            assert small.acceptance_lengths[0] == 1 + sum(node <= b for node in path), (prompt, b, path)
+            seen.add(small.acceptance_lengths[0])
+            cut += small.acceptance_lengths[0] < big.acceptance_lengths[0]
+    assert len(seen) >= 5 and cut >= 10  # long and short acceptances; smaller trees often accepted less
+
+
+def test_the_fast_engine_reports_the_reference_decoder_s_tree_paths() -> None:
+    target = tiny_target("qwen3", layers=3, seed=1)
+    drafter = tiny_drafter(target, layers=1, block_size=BLOCK, seed=3)
+    engine = FastEngine(target, drafter, max_len=96, max_budget=32)
+    for prompt in ([3, 9, 27, 81], [5, 17, 33, 8, 2, 60]):
+        ref = generate(target, drafter, prompt, max_new_tokens=40, method="ddtree", budget=32)
+        fast = engine.generate(prompt, max_new_tokens=40, method="ddtree", budget=32)
+        assert fast.tokens == ref.tokens and fast.acceptance_lengths == ref.acceptance_lengths
+        assert fast.tree_paths == ref.tree_paths and len(ref.tree_paths) == ref.rounds
+        chain = engine.generate(prompt, max_new_tokens=40, method="chain")
+        assert chain.tree_paths == []
+
+
+def test_a_tree_round_counts_for_every_smaller_budget_and_the_largest_runs_first() -> None:
+    seconds = {"ar": 1.0, "chain": 1.4, "ddtree:8": 1.5, "ddtree:32": 1.6, "ddtree:128": 1.9}
+    start = {"chain": 3.0, "ddtree:8": 3.5, "ddtree:32": 4.0, "ddtree:128": 4.6}
+    pol = AutoPolicy(seconds, start, explore_every=4)
+    # DDTree-32 leads (2.50 tokens per unit against 2.42), but 128 is within explore_ratio: it runs first
+    assert pol.choice() == ("ddtree", 128)
+    pol.observe(("ddtree", 128), [4, 4, 2], [[1, 3, 9], [1, 2, 40], [70]])
+    # 32 would have kept nodes 1, 3, 9 | 1, 2 | none; 8 would have kept 1, 3 | 1, 2 | none
+    assert pol.observed == {"ddtree:128": [3, 10], "ddtree:32": [3, 8], "ddtree:8": [3, 7]}
+    with pytest.raises(ValueError, match="2 tree paths for 3 rounds"):
+        pol.observe(("ddtree", 128), [4, 6, 2], [[1, 3, 9], [1, 2]])
+    assert pol.observed["ddtree:128"] == [3, 10]  # a refused observation changes nothing
+    # measured below their starts, 32 leads (2.27 against 2.24 for 128) until the next exploration
+    assert pol.tau("ddtree:32") == pytest.approx((8 * 4.0 + 8) / 11) and pol.choice() == ("ddtree", 32)
+    assert [pol.choice() for _ in range(3)] == [("ddtree", 32), ("ddtree", 32), ("ddtree", 128)]  # 4 after
+    # far below the best, the largest budget does not run
+    far = AutoPolicy({"ar": 1.0, "chain": 1.4, "ddtree:512": 5.0}, {"chain": 3.0, "ddtree:512": 6.0})
+    assert far.choice() == ("chain", None) and far.choice() == ("chain", None)
+    # where AR wins (a CPU), nothing is explored
+    cpu = AutoPolicy({"ar": 0.1, "chain": 0.45, "ddtree:8": 0.5}, {"chain": 2.7, "ddtree:8": 3.1})
+    assert cpu.choice() == ("ar", None)
