@@ -353,7 +353,9 @@ def reference(tmp_path_factory) -> Path:  # noqa: ANN001
 def test_exact_resume_after_sigkill(reference):
     tmp_path, cfg = reference, reference / "cfg.yaml"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(_cli(cfg, tmp_path / "cut"), cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)
+    # stderr unread would fill its pipe and stall the run before its checkpoints: to a file instead
+    log = (tmp_path / "cut.log").open("w")
+    proc = subprocess.Popen(_cli(cfg, tmp_path / "cut"), cwd=REPO, env=env, stderr=log, text=True)
     deadline = time.time() + 120
     while time.time() < deadline and proc.poll() is None:
         ck = latest_checkpoint(tmp_path / "cut")
@@ -362,6 +364,7 @@ def test_exact_resume_after_sigkill(reference):
         time.sleep(0.01)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
+    log.close()
     assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
     killed_at = latest_checkpoint(tmp_path / "cut")
     assert killed_at is not None and killed_at.name < "step-00000030"
@@ -371,9 +374,10 @@ def test_exact_resume_after_sigkill(reference):
     assert (
         state.state == "stopped" and "is gone" in state.line and "--resume restarts from step" in state.line
     )
-    res = subprocess.run(
-        _cli(cfg, tmp_path / "cut", "--resume"), cwd=REPO, env=env, capture_output=True, text=True
-    )
+    res = subprocess.run(  # a resume that hangs fails here instead of stalling the suite
+        _cli(cfg, tmp_path / "cut", "--resume"),
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
     assert res.returncode == 0, res.stderr[-2000:]
     assert f"resumed from {killed_at}" in res.stderr
     a, b = read_metrics(tmp_path / "full"), read_metrics(tmp_path / "cut")
@@ -418,8 +422,9 @@ def test_sigterm_writes_a_checkpoint_and_resume_loses_no_step(reference):
     assert state.state == "stopped" and f"stopped (SIGTERM) at step {step}" in state.line
     assert f"--resume restarts from step {step} (loses 0 steps)" in state.line
     res = subprocess.run(
-        _cli(cfg, run, "checkpoint.every=1000", "--resume"), cwd=REPO, env=env, capture_output=True, text=True
-    )
+        _cli(cfg, run, "checkpoint.every=1000", "--resume"),
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
     assert res.returncode == 0, res.stderr[-2000:]
     a, b = read_metrics(tmp_path / "full"), read_metrics(run)
     assert [m["step"] for m in b] == list(range(1, 31))
