@@ -374,6 +374,7 @@ def _prompt(rng: random.Random, vocab: int) -> list[int]:
 def _same(a, b, what) -> None:
     assert a.tokens == b.tokens, what
     assert a.acceptance_lengths == b.acceptance_lengths, what
+    assert a.tree_paths == b.tree_paths, what  # what `auto` reads for the smaller budgets
     assert (a.rounds, a.stop_reason, a.prompt_tokens) == (b.rounds, b.stop_reason, b.prompt_tokens), what
 
 
