@@ -4,8 +4,10 @@
 #      drafter and NEW side by side, HumanEval-164 then held-out ShareGPT-100 (82 s + 61 s on an H100, 2026-12-06);
 #   2. HumanEval at T = 1 (the first T1_LIMIT=32 problems, seeded sampled references computed in one batch; all 164
 #      did not finish in 120 s on an H100, 2026-12-06), DDTree-32 and -512;
-#   3. `flashdraft bench`: AR, auto, the chain and DDTree budgets, bf16, batch 1, 256 new tokens, 8 HumanEval
-#      problems, NEW's τ per budget from step 1's report (the entry of NEW's weights);
+#   3. `flashdraft bench`: AR, auto, the chain and DDTree budgets, bf16, batch 1, 256 new tokens, BENCH_PROMPTS=24
+#      HumanEval problems (8 until stint 7, whose bench spent ~12 of its 116 s timing them: the rest is start-up,
+#      so three times the prompts cost ~25 s; on 8 the best budget moved between stints 6 and 7 by bf16 near-ties),
+#      NEW's τ per budget from step 1's report (the entry of NEW's weights);
 #      REUSE=<a folder of earlier yardstick reports, FOLDER/NAME/report.json> takes the shipped drafter's results
 #      from there when its weights, the settings and the references are the same (`flashdraft eval --reuse`):
 #      REUSE=benchmarks/results/campaign/stint-4/yardstick after stint 4's drafter was shipped;
@@ -41,8 +43,8 @@ ev() {  # name, timeout, then eval flags
   ev humaneval-164-t1 "${T1_TIMEOUT:-120}" --dataset $HE --limit "${T1_LIMIT:-32}" --temperature 1.0 \
     --budgets 32,512 --topk 8
   t0=$SECONDS
-  timeout "${BENCH_TIMEOUT:-150}" python3 -m flashdraft.cli bench --target "$TARGET" --drafter $NEW --dataset $HE \
-    --limit "${BENCH_PROMPTS:-8}" --max-new-tokens 256 --device cuda --dtype bfloat16 \
+  timeout "${BENCH_TIMEOUT:-210}" python3 -m flashdraft.cli bench --target "$TARGET" --drafter $NEW --dataset $HE \
+    --limit "${BENCH_PROMPTS:-24}" --max-new-tokens 256 --device cuda --dtype bfloat16 \
     --methods ar,auto,chain,ddtree:8,ddtree:32,ddtree:128,ddtree:512 --tau-report $E/humaneval-164/report.json \
     --no-progress --out $OUT/bench 2>&1 | grep -v "^Convert\|^Loading"
   echo "[bench: $((SECONDS - t0)) s]"
