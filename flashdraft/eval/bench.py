@@ -18,6 +18,7 @@ prompt to prompt; the report's notes say what it ran.
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -150,7 +151,9 @@ def bench(
     # an engine of its own would rebuild it, and recapture every method's CUDA graphs, twice per prompt below
     for kw in kws.values():  # CUDA-graph capture, allocator warm-up: not timed
         for p in prompts[:warmup]:
-            gen(target, drafter, p.input_ids, **kw, seed=seed)
+            # auto warms up on a copy: what its policy learns (and explores) counts only in the timed runs
+            warm = {**kw, "policy": copy.deepcopy(policy)} if kw["method"] == "auto" else kw
+            gen(target, drafter, p.input_ids, **warm, seed=seed)
     # prompt by prompt, every method in turn: a clock or thermal drift during the run reaches all methods alike
     seconds = dict.fromkeys(kws, 0.0)
     outs: dict[str, list[list[int]]] = {label: [] for label in kws}
@@ -189,6 +192,14 @@ def bench(
         ran = ", ".join(f"{k} ×{n}" for k, n in policy.counts.items())
         cost = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in policy.seconds.items())
         notes.append(f"auto chose (per choice): {ran}; calibrated round cost: {cost}")
+        auto = next((r for r in rows if r.method == "auto"), None)
+        fixed = [r for r in rows if r.method != "auto"]
+        if auto is not None and fixed:
+            best = max(fixed, key=lambda r: r.tokens_per_s)
+            notes.append(
+                f"auto: {auto.tokens_per_s / best.tokens_per_s:.1%} of the best fixed method's tokens/s "
+                f"({best.method}, {best.tokens_per_s:.1f})"
+            )
     if engine == "fast" or (engine == "auto" and target.device.type == "cuda"):
         if engine_name != "fast":
             notes.append("the fast engine could not run this target: the reference engine was used")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 import pytest
 
@@ -262,6 +263,13 @@ def test_generate_and_bench_commands_with_auto(tmp_path, monkeypatch) -> None:
                               "--max-new-tokens", "8", "--no-progress"])  # fmt: skip
     assert res.exit_code == 0, res.output
     assert "| auto |" in res.stdout and "2/2" in res.stdout and "auto chose" in res.stdout
+    assert re.search(r"auto: \d+\.\d% of the best fixed method's tokens/s \(ar, ", res.stdout), res.stdout
+    cold = runner.invoke(app, ["bench", "--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter"),
+                               "--dataset", str(tmp_path / "p.jsonl"), "--limit", "2", "--methods", "ar,auto",
+                               "--max-new-tokens", "8", "--no-progress", "--warmup", "0"])  # fmt: skip
+    chose = [re.search(r"auto chose \(per choice\): ([^;]*);", r.stdout).group(1) for r in (res, cold)]
+    # the warm-up ran on a copy of auto's policy: the timed runs learn from scratch
+    assert chose[0] == chose[1]
 
 
 def test_serve_engine_auto_uses_one_learning_policy(tmp_path, monkeypatch) -> None:
