@@ -16,9 +16,10 @@ Expected tokens/s of a method = τ(method) / seconds per round(method), AR's τ 
 - A DDTree round of budget b also tells every smaller budget's round: the tree of b' < b nodes is the
   first b' nodes of b's (the same best-first order), so it would have accepted the path's nodes up to
   b' (the same tokens at T = 0; at T > 0 the target's samples at those nodes, which have the same law).
-  So the largest budget runs first, and again every `explore_every` choices, while its expected rate is
-  at least `explore_ratio` of the best: one generation then measures every budget on this workload,
-  where an eval report's τ came from other prompts.
+  So the largest budget runs at the second choice (the first trusts the starting τ: a single generation
+  on the fast engine is one choice, with no later one to profit from a measurement), and again every
+  `explore_every` choices, while its expected rate is at least `explore_ratio` of the best: one such
+  generation measures every budget on this workload, where an eval report's τ came from other prompts.
 
 The choice is made again every `period` rounds (inside a generation on the reference decoder,
 between generations on the fast engine). Every choice decodes losslessly, so any sequence of
@@ -280,7 +281,7 @@ class AutoPolicy:
         trees = [k for k in r if k.startswith("ddtree:")]
         largest = max(trees, key=lambda k: parse_label(k)[1] or 0) if trees else None
         made = sum(self.counts.values())
-        due = self.explored_at is None or made - self.explored_at >= self.explore_every
+        due = made >= 1 if self.explored_at is None else made - self.explored_at >= self.explore_every
         if largest is not None and best != "ar" and due and r[largest] >= self.explore_ratio * r[best]:
             best = largest  # one of its rounds measures every smaller budget too
         if best == largest:
