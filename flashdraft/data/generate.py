@@ -25,7 +25,7 @@ import time
 from typing import Any, Protocol
 
 from flashdraft.data.grouped import grouped_generate, grouped_support_error
-from flashdraft.data.loop import Generation, GenerationParams, cut_at_stop, loop_generate
+from flashdraft.data.loop import Generation, GenerationParams, cut_at_stop, loop_generate, pack_groups
 from flashdraft.data.native import NativeStats, native_generate
 from flashdraft.target import TargetModel
 
@@ -43,19 +43,14 @@ def plan_batches(
 ) -> list[list[int]]:
     """Indices grouped longest first, each batch within `batch_size` rows and the token budget."""
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    batches: list[list[int]] = []
-    cur: list[int] = []
-    for i in order:
-        width = (lengths[cur[0]] if cur else lengths[i]) + max_new  # the first (longest) row sets the width
-        if cur and (
-            len(cur) >= batch_size or (max_batch_tokens and (len(cur) + 1) * width > max_batch_tokens)
-        ):
-            batches.append(cur)
-            cur = []
-        cur.append(i)
-    if cur:
-        batches.append(cur)
-    return batches
+
+    def fits(batch: list[int], i: int) -> bool:
+        width = lengths[batch[0]] + max_new  # the first (longest) row sets the width
+        return len(batch) < batch_size and not (
+            max_batch_tokens and (len(batch) + 1) * width > max_batch_tokens
+        )
+
+    return pack_groups(order, fits)
 
 
 class LocalGenerator:

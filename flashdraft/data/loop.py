@@ -10,7 +10,9 @@ batches in one forward with the same batch state (`LoopBatch`, `prefill_batch`, 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 
@@ -58,6 +60,21 @@ def pad_rows(prompts: list[list[int]], width: int, pad: int, *, left: bool) -> t
         at = width - len(p) if left else 0
         ids[i, at : at + len(p)] = torch.tensor(p, dtype=torch.long)
     return ids
+
+
+T = TypeVar("T")
+
+
+def pack_groups(items: Iterable[T], fits: Callable[[list[T], T], bool]) -> list[list[T]]:
+    """`items` in order, cut into consecutive groups: an item joins the last group when `fits(group, item)`, else
+    it starts the next one (a group always takes its first item)."""
+    groups: list[list[T]] = []
+    for item in items:
+        if groups and fits(groups[-1], item):
+            groups[-1].append(item)
+        else:
+            groups.append([item])
+    return groups
 
 
 # Dropping finished rows changes the matmuls' row count M. On a 2-core AVX-512 EPYC (torch 2.13, float32, 2026-12-04)

@@ -20,7 +20,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from flashdraft.data.loop import Generation, GenerationParams, choose_next, cut_at_stop, pad_rows
+from flashdraft.data.loop import (
+    Generation,
+    GenerationParams,
+    choose_next,
+    cut_at_stop,
+    pack_groups,
+    pad_rows,
+)
 from flashdraft.decode.native import (
     COMPILE_RECOMPILE_LIMIT,
     HeadFP32,
@@ -459,33 +466,19 @@ def _extend_chunks(
 ) -> list[list[tuple[int, int, int]]]:
     """The kept follow-ups, shortest cache first, in groups whose rows × cached columns stay <= 4 ×
     prefill_tokens (each group's forward reads every row's cache up to the longest)."""
-    chunks: list[list[tuple[int, int, int]]] = []
-    cur: list[tuple[int, int, int]] = []
-    for item in sorted(extend, key=lambda e: e[2]):
-        if cur and (len(cur) + 1) * item[2] > 4 * prefill_tokens:
-            chunks.append(cur)
-            cur = []
-        cur.append(item)
-    if cur:
-        chunks.append(cur)
-    return chunks
+    return pack_groups(
+        sorted(extend, key=lambda e: e[2]), lambda group, e: (len(group) + 1) * e[2] <= 4 * prefill_tokens
+    )
 
 
 def _prefill_chunks(
     free: list[int], order: Any, prompts: list[list[int]], prefill_tokens: int
 ) -> list[list[tuple[int, int]]]:
     """Pop prompts for the free rows; group them so each prefill forward holds <= prefill_tokens (rows × width)."""
-    chunks: list[list[tuple[int, int]]] = []
-    cur: list[tuple[int, int]] = []
-    for r in free:
-        if not order:
-            break
-        i = order.popleft()
-        width = max([len(prompts[j]) for _, j in cur] + [len(prompts[i])])
-        if cur and (len(cur) + 1) * width > prefill_tokens:
-            chunks.append(cur)
-            cur = []
-        cur.append((r, i))
-    if cur:
-        chunks.append(cur)
-    return chunks
+    pairs = [(r, order.popleft()) for r in free[: len(order)]]
+
+    def fits(group: list[tuple[int, int]], pair: tuple[int, int]) -> bool:
+        width = max(len(prompts[i]) for _, i in [*group, pair])
+        return (len(group) + 1) * width <= prefill_tokens
+
+    return pack_groups(pairs, fits)

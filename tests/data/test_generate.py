@@ -56,6 +56,17 @@ def test_generator_restores_order_and_respects_budget():
         assert [len(prompts[i]) for i in b] == sorted((len(prompts[i]) for i in b), reverse=True)
 
 
+def test_pack_groups_cuts_in_order_where_an_item_does_not_fit():
+    from flashdraft.data.loop import pack_groups
+
+    def under_ten(group: list[int], x: int) -> bool:
+        return sum(group) + x <= 10
+
+    # 12 is over on its own, and still a group: a group always takes its first item
+    assert pack_groups([4, 5, 2, 9, 12, 1], under_ten) == [[4, 5], [2], [9], [12], [1]]
+    assert pack_groups([], under_ten) == []
+
+
 def test_sampling_is_seeded():
     target = tiny_target("qwen3")
     prompts = _prompts(97, [4, 6])
