@@ -453,6 +453,16 @@ def test_call7_with_walks_times_the_replay_walks(tmp_path: Path, monkeypatch: py
     )
 
 
+def test_call7_without_t1_and_bench_scores_only_the_yardstick(tmp_path: Path) -> None:
+    """T1_LIMIT=0 BENCH_PROMPTS=0: the two yardstick evals alone (a call that trained first has room for no more)."""
+    calls = run_script(tmp_path, "call7_stint_eval.sh", NEW="new-drafter", T1_LIMIT="0", BENCH_PROMPTS="0")
+    evals = [parse_cli(c[2:]) for c in calls if c[:3] == [*FD, "eval"]]
+    assert [Path(e["out"]).name for e in evals] == ["humaneval-164", "sharegpt-heldout-100"]
+    assert not any(c[:3] == [*FD, "bench"] for c in calls)
+    out = tmp_path / "gpu" / "out"
+    assert sorted(p.name for p in out.iterdir()) == ["stint_eval.log", "stint_eval.tar"]
+
+
 def test_call7_with_reuse_passes_each_yardstick_its_earlier_report(tmp_path: Path) -> None:
     """REUSE=FOLDER: `--reuse FOLDER/NAME/report.json` for each yardstick that has one there, none for the rest."""
     folder = tmp_path / "earlier"

@@ -11,6 +11,7 @@
 #      REUSE=<a folder of earlier yardstick reports, FOLDER/NAME/report.json> takes the shipped drafter's results
 #      from there when its weights, the settings and the references are the same (`flashdraft eval --reuse`):
 #      REUSE=benchmarks/results/campaign/stint-4/yardstick after stint 4's drafter was shipped;
+#   T1_LIMIT=0 or BENCH_PROMPTS=0 leaves step 2 or 3 out (a call that trains first has room for step 1 only);
 #   4. with WALKS=N: benchmarks/eval_tree_walks.py on the first N HumanEval yardstick problems (the replay's DDTree
 #      walks popped to the largest budget at every start vs only as far as asked, in one run).
 # The target is the GGUF dequantized to float32 for 1–2 (save_target.py, once per machine), bf16 for 3.
@@ -40,14 +41,16 @@ ev() {  # name, timeout, then eval flags
     [ -n "${REUSE:-}" ] && [ -f "$REUSE/$f/report.json" ] && reuse=(--reuse "$REUSE/$f/report.json")
     ev $f "${YARDSTICK_TIMEOUT:-150}" --references benchmarks/yardstick/$f.jsonl "${reuse[@]}"
   done
-  ev humaneval-164-t1 "${T1_TIMEOUT:-120}" --dataset $HE --limit "${T1_LIMIT:-32}" --temperature 1.0 \
-    --budgets 32,512 --topk 8
-  t0=$SECONDS
-  timeout "${BENCH_TIMEOUT:-210}" python3 -m flashdraft.cli bench --target "$TARGET" --drafter $NEW --dataset $HE \
-    --limit "${BENCH_PROMPTS:-24}" --max-new-tokens 256 --device cuda --dtype bfloat16 \
-    --methods ar,auto,chain,ddtree:8,ddtree:32,ddtree:128,ddtree:512 --tau-report $E/humaneval-164/report.json \
-    --no-progress --out $OUT/bench 2>&1 | grep -v "^Convert\|^Loading"
-  echo "[bench: $((SECONDS - t0)) s]"
+  [ "${T1_LIMIT:-32}" != 0 ] && ev humaneval-164-t1 "${T1_TIMEOUT:-120}" --dataset $HE --limit "${T1_LIMIT:-32}" \
+    --temperature 1.0 --budgets 32,512 --topk 8
+  if [ "${BENCH_PROMPTS:-24}" != 0 ]; then
+    t0=$SECONDS
+    timeout "${BENCH_TIMEOUT:-210}" python3 -m flashdraft.cli bench --target "$TARGET" --drafter $NEW --dataset $HE \
+      --limit "${BENCH_PROMPTS:-24}" --max-new-tokens 256 --device cuda --dtype bfloat16 \
+      --methods ar,auto,chain,ddtree:8,ddtree:32,ddtree:128,ddtree:512 --tau-report $E/humaneval-164/report.json \
+      --no-progress --out $OUT/bench 2>&1 | grep -v "^Convert\|^Loading"
+    echo "[bench: $((SECONDS - t0)) s]"
+  fi
   if [ -n "${WALKS:-}" ]; then  # the replay's DDTree walks both ways, NEW on the first WALKS HumanEval problems
     t0=$SECONDS
     timeout "${WALKS_TIMEOUT:-240}" python3 benchmarks/eval_tree_walks.py --target $F32 --drafter $NEW \
