@@ -140,9 +140,9 @@ class Budget:
 
 
 def regen_args(a: argparse.Namespace, plan: StintPlan, out: Path, minutes: float) -> list[str]:
-    # greedy runs stream every shard through one native call and stop at --time-limit, dropping the shards not
-    # finished then: small shards waste little (sampled runs go shard by shard, starting none that would end after
-    # the limit: a 4,096-conversation shard of three turns took 3 minutes on an H100, 2026-12-06)
+    # greedy runs stream every shard through one native call and stop at --time-limit, keeping the finished
+    # shards and the turns the others had answered (sampled runs go shard by shard, starting none that would end
+    # after the limit: a 4,096-conversation shard of three turns took 3 minutes on an H100, 2026-12-06)
     args = [
         "data", "regenerate", "--target", a.target, "--out", str(out), "--device", "cuda", "--dtype", "bfloat16",
         "--engine", "native", "--batch-size", "512", "--max-batch-tokens", str(a.max_batch_tokens),

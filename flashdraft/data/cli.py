@@ -84,8 +84,9 @@ def register(app: typer.Typer) -> None:
         seed: int = typer.Option(0),
         time_limit: float | None = typer.Option(
             None,
-            help="minutes: start no shard that would end after this (forecast: the slowest shard so "
-            "far); the dataset holds the finished shards (manifest complete: false); rerun with --overwrite to finish",
+            help="minutes: greedy native runs stop then, keeping the finished shards and the turns the others had "
+            "answered; other runs start no shard that would end after it (forecast: the slowest shard so far); "
+            "the dataset's manifest says complete: false; rerun with --overwrite to finish",
         ),
         overwrite: bool = typer.Option(False, help="replace an existing dataset at --out"),
     ) -> None:
@@ -147,10 +148,12 @@ def register(app: typer.Typer) -> None:
         res = run(cfg, tpl, gen, manifest_extra=extra, overwrite=overwrite)
         m = res.manifest
         rate = res.generated_tokens / res.seconds if res.seconds > 0 else 0.0
+        cut = f", {res.shards_cut} cut by the time limit with their answered turns" if res.shards_cut else ""
         typer.echo(
             f"wrote {res.out}: {m['counts']['train']} train / {m['counts']['eval']} eval samples, "
             f"{m['tokens']['train']['loss']:,} train loss tokens; shards {res.shards_total} "
-            f"({res.shards_skipped} resumed, {res.shards_done} in the dataset); {res.generated_tokens:,} tokens generated in {res.seconds:.1f} s "
+            f"({res.shards_skipped} resumed, {res.shards_done} in the dataset{cut}); "
+            f"{res.generated_tokens:,} tokens generated in {res.seconds:.1f} s "
             f"({rate:,.0f} tok/s); dropped {m['dropped']}"
         )
         native_stats = getattr(gen, "native_stats", None)

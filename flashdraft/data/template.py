@@ -183,6 +183,7 @@ class ConversationBuilder:
         self._prompt_from = 0  # first turn whose user text the running sample's meta["prompt"] lists
         self._samples: list[Sample] = []
         self._pending: list[int] | None = None
+        self._pending_from = 0  # where the pending prompt's tokens start in the running sample
         self.stopped_early = False  # a prompt reached max_length
 
     @property
@@ -202,10 +203,19 @@ class ConversationBuilder:
         if n and prompt[:n] != self._ids:
             self._close()  # history rendered differently from what was generated: new sample
             n = 0
+        self._pending_from = len(self._ids)
         self._ids += prompt[n:]
         self._mask += [False] * (len(prompt) - n)
         self._pending = prompt
         return prompt
+
+    def stop(self) -> None:
+        """Answer no more turns: a prompt still waiting for its response is left out, so `samples()` holds the
+        turns answered so far (what a run with that many turns would have written)."""
+        if self._pending is not None:
+            del self._ids[self._pending_from :], self._mask[self._pending_from :]
+            self._pending = None
+        self._users = self._users[: self.turn]
 
     def add_response(self, generated: list[int] | np.ndarray, finish: str) -> None:
         if self._pending is None:

@@ -127,6 +127,20 @@ def test_native_engine_stops_at_the_time_limit_and_a_rerun_completes(tmp_path, t
     monkeypatch.setattr(time, "perf_counter", lambda: real_clock() + clock["t"])
     res = regenerate(cfg2, tpl, LocalGenerator(target, params, engine="native", batch_size=3))
     assert 0 < res.shards_done < 4 and res.manifest["complete"] is False
+    # the cut shards' answered turns are in the dataset: each conversation up to its last answered turn, the
+    # start of what the uninterrupted run wrote for it
+    shards = res.manifest["regen_shards"]
+    assert res.shards_cut == shards["cut"] == 4 - res.shards_done and shards["cut_turns_answered"] > 0
+    timed, full = _dump(tmp_path / "timed"), _dump(tmp_path / "full")
+    shorter = 0
+    for sid, (split, ids, mask, meta) in timed.items():
+        f_split, f_ids, f_mask, f_meta = full[sid]
+        assert (split, ids, mask) == (f_split, f_ids[: len(ids)], f_mask[: len(ids)])
+        assert mask[-1]  # an answer ends it, not the prompt left waiting
+        assert meta["turns"][0] == f_meta["turns"][0] and meta["turns"][1] <= f_meta["turns"][1]
+        assert meta["prompt"] == f_meta["prompt"][: len(meta["prompt"])]
+        shorter += len(ids) < len(f_ids)
+    assert len(timed) < len(full) or shorter > 0
     monkeypatch.undo()
     cfg2.time_limit_s = None
     res2 = regenerate(

@@ -146,6 +146,27 @@ def test_max_length_stops_the_conversation():
     assert samples[0].input_ids.tolist() == full[0].input_ids[: len(samples[0].input_ids)].tolist()
 
 
+@pytest.mark.parametrize("kind", ["chatml", "qwen3"])
+def test_stop_keeps_the_answered_turns_and_drops_the_waiting_prompt(kind):
+    """A builder stopped while its third prompt waits (regeneration's time limit) gives the sample a builder of
+    the conversation's first two turns gives: the waiting prompt is in no sample, and nothing more is asked."""
+    tpl = ChatTemplate(make_tokenizer(kind), enable_thinking=False if kind == "qwen3" else None)
+    users = ["Hi!", "What is 6 x 7?", "A joke?"]
+    short, _, gens = _run(tpl, _conv("Be brief.", users[:2]), RESPONSES)  # Qwen3: one sample per turn
+    b = ConversationBuilder(tpl, _conv("Be brief.", users))
+    for gen in gens:
+        b.next_prompt()
+        b.add_response(gen, "stop")
+    assert b.next_prompt() is not None  # the third prompt waits for an answer that never comes
+    b.stop()
+    assert b.next_prompt() is None
+    got = b.samples()
+    assert [(x.id, x.input_ids.tolist(), x.loss_mask.tolist(), x.meta) for x in got] == [
+        (x.id, x.input_ids.tolist(), x.loss_mask.tolist(), x.meta) for x in short
+    ]
+    assert got[-1].meta["turns"][1] == 2 and got[-1].loss_mask[-1]  # it ends with the second answer
+
+
 def test_template_that_rewrites_assistant_content_is_refused():
     tok = make_tokenizer("chatml")
     bad = ChatTemplate(tok)
