@@ -16,7 +16,9 @@ The steps, each a no-op when its inputs did not change (a progress line each):
    run again only when the file, the options or either drafter's weights changed. Or (--report REPORT.json
    --report-drafter NAME) the same eval made on a GPU, adopted: minutes there instead of hours here;
 3. results: the small files (stint.json, metrics.jsonl, config.yaml, the eval and yardstick reports; no weights)
-   into benchmarks/results/campaign/stint-K/;
+   and the stint's new data packed into one file (new-data.fdpack, `flashdraft data pack`: the unpacked folder
+   lives on this workstation only, the pack in git, and `campaign_stint.py --prev-data` takes it) into
+   benchmarks/results/campaign/stint-K/;
 4. stints.jsonl: the stint's line (stint.json plus the yardstick τ and paired verdicts) replaces its earlier line;
 5. promote: only when the held-out ShareGPT yardstick's chain τ is better by the paired test (mean per-prompt Δτ
    at least two standard errors above 0): `flashdraft export --overwrite` of the stint's drafter over --models,
@@ -351,6 +353,24 @@ def small_files(unpacked: Path) -> dict[str, bytes]:
     return files
 
 
+def data_pack(unpacked: Path) -> dict[str, bytes]:
+    """{"new-data.fdpack": bytes} when the bundle brought the stint's new data (packed once, kept beside it)."""
+    new, pack = unpacked / "new-data", unpacked / "new-data.fdpack"
+    if not (new / "manifest.json").is_file():
+        return {}
+    if not pack.is_file():
+        from flashdraft.data.dataset import DatasetError
+        from flashdraft.data.pack import pack_dataset
+
+        try:
+            st = pack_dataset(new, pack)
+        except DatasetError as e:
+            raise IngestError(f"pack {new}: {e}") from None
+        mib = st["bytes"] / 2**20
+        say("pack", f"{pack}: {st['samples']:,} samples, {st['tokens']:,} tokens in {mib:.2f} MiB")
+    return {"new-data.fdpack": pack.read_bytes()}
+
+
 def write_results(files: dict[str, bytes], dest: Path, overwrite: bool) -> None:
     """DEST holds exactly `files`. Without --overwrite a file there that the stint no longer has, or a bundle file
     whose bytes differ, is refused (yardstick reports are this script's own and may change)."""
@@ -585,7 +605,7 @@ def main(
         yardstick(
             a.yardstick, unpacked, a.models, a, run_eval
         )  # (after: a clash with --report stops it first)
-        write_results(small_files(unpacked), a.results / f"stint-{k}", a.overwrite)
+        write_results(small_files(unpacked) | data_pack(unpacked), a.results / f"stint-{k}", a.overwrite)
         stints = a.results / "stints.jsonl"
         rows = upsert(stints, stint_line(unpacked))
         if promote(next(r for r in rows if r["stint"] == k), unpacked, a, export) and a.promote:

@@ -15,11 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from flashdraft.data.pack import unpack_dataset
 from flashdraft.drafter import DFlashDrafter
 from flashdraft.eval.frozen import FROZEN_FORMAT
 from flashdraft.files import file_sha256
 from flashdraft.serve.export import export_drafter
 from tests.conftest import tiny_drafter, tiny_target
+from tests.data.test_pack import _dataset, _rows
 from tests.serve.test_export import tiny_tokenizer
 from tests.test_campaign_script import _manifest, cs
 from tests.test_quickstart import _parse
@@ -49,7 +51,7 @@ def _call(root: Path, stint: int, seed: int) -> Path:
     work, out = root / "work", root / "out"
     st = cs.Stint(cs.parse_args(["--stint", str(stint), "--work", str(work), "--out", str(out)]))
     out.mkdir(parents=True)
-    _manifest(work / "new", 100, 40_000)
+    _dataset(work / "new")  # a real one: it is packed into the results
     _manifest(work / "data", 350, 150_000)
     ck = work / "train-1" / "checkpoints" / "step-00000020"
     tiny_drafter(tiny_target("llama", dtype=torch.float32), block_size=8, seed=seed).save_pretrained(
@@ -108,7 +110,11 @@ def test_join_unpack_record_and_curve_twice_give_the_same(
     res = tmp_path / "results" / "stint-2"
     files = sorted(p.relative_to(res).as_posix() for p in res.rglob("*") if p.is_file())
     assert files == ["config.yaml", "eval/humaneval/report.json", "eval/humaneval/report.md", "metrics.jsonl",
-                     "stint.json"]  # fmt: skip
+                     "new-data.fdpack", "stint.json"]  # fmt: skip
+    # the new data outlives this workstation as one file in the results, which unpacks to the same dataset
+    assert "[pack]" in first
+    unpack_dataset(res / "new-data.fdpack", tmp_path / "again")
+    assert _rows(tmp_path / "again") == _rows(unpacked / "new-data")
     assert (res / "stint.json").read_bytes() == (call / "stint.json").read_bytes()
     stints = tmp_path / "results" / "stints.jsonl"
     rows = [json.loads(x) for x in stints.read_text().splitlines()]
@@ -120,7 +126,7 @@ def test_join_unpack_record_and_curve_twice_give_the_same(
     before = stints.read_bytes()
     assert ci.main(_argv(tmp_path, call), run_eval=_no_eval) == 0
     again = capsys.readouterr().out
-    assert "already holds this bundle" in again and "unchanged (5 files)" in again
+    assert "already holds this bundle" in again and "unchanged (6 files)" in again
     assert "stint 2 unchanged (1 stints)" in again and stints.read_bytes() == before
 
 
@@ -334,7 +340,9 @@ def test_promote_exports_keeps_the_card_and_regenerates_its_section(
     row = next(x for x in card.splitlines() if x.startswith("| 2 |"))
     cells = [c.strip() for c in row.strip("|").split("|")]
     line = json.loads((tmp_path / "results" / "stints.jsonl").read_text())
-    assert line["promoted"] == cells[-1] and cells[5:11] == ["20", "100", "0.04M", "100 / 0.04M", "350 / 0.15M", "2.50"]
+    n, loss = line["new"]["samples"], line["new"]["loss_tokens"]  # the bundle's new data
+    new_cells = [f"{n:,}", f"{loss / 1e6:.2f}M", f"{n:,} / {loss / 1e6:.2f}M"]
+    assert line["promoted"] == cells[-1] and cells[5:11] == ["20", *new_cells, "350 / 0.15M", "2.50"]
     assert cells[11] == "3.40 / 4.40"  # the yardstick's chain / best DDTree τ
 
     assert ci.main([*argv, "--promote"], run_eval=_fake_eval("better", ran)) == 0  # again: nothing changes

@@ -335,6 +335,28 @@ def test_every_earlier_stints_data_is_merged(capsys: pytest.CaptureFixture[str])
     assert merge["inputs"] == ["/p/s1", "/p/s2", "/w/new"] and merge["out"] == "/w/data"
 
 
+def test_an_earlier_stint_s_pack_is_unpacked_then_merged(tmp_path: Path) -> None:
+    """--prev-data X.fdpack (what campaign_ingest.py keeps in git): unpacked once into WORK/prev/, then merged."""
+    from flashdraft.data.pack import pack_dataset
+    from tests.data.test_pack import _dataset, _rows
+
+    _dataset(tmp_path / "s7")
+    pack = tmp_path / "results" / "stint-7" / "new-data.fdpack"
+    pack.parent.mkdir(parents=True)
+    pack_dataset(tmp_path / "s7", pack)
+    work = tmp_path / "w"
+    argv = ["--stint", "8", "--prev-data", str(pack), "--prev-data", "/p/s6", "--work", str(work), "--dry-run"]  # fmt: skip
+    cmd = cs.commands(cs.parse_args(argv), cs.Budget(0.0, 0.0, 5.0))
+    folder = work / "prev" / "stint-7-new-data"
+    assert _parse(cmd["merge"])["inputs"] == [str(folder), "/p/s6", str(work / "new")]
+    (work / "out").mkdir(parents=True)
+    st = cs.Stint(cs.parse_args([*argv[:-1], "--out", str(work / "out")]))
+    ran: list[list[str]] = []
+    st.run = lambda phase, args, timeout_min: ran.append(args) or 0  # type: ignore[method-assign]
+    st.merge()
+    assert ran == [cmd["merge"]] and _rows(folder) == _rows(tmp_path / "s7")
+
+
 def test_a_native_feature_pass_that_fails_before_a_checkpoint_trains_again_with_hf(tmp_path: Path) -> None:
     argv = ["--stint", "5", "--work", str(tmp_path), "--out", str(tmp_path / "out"), "--feature-pass", "native",
             "--train-extra", "runtime.compile=model,loss,target", "runtime.feature_pass=native", "optim.lr=1e-4"]  # fmt: skip

@@ -160,6 +160,16 @@ def regen_args(a: argparse.Namespace, plan: StintPlan, out: Path, minutes: float
     return args
 
 
+def prev_dataset(spec: str, work: Path) -> Path:
+    """A --prev-data dataset folder as given; a pack file (`flashdraft data pack`: what campaign_ingest.py keeps of
+    each stint's data in benchmarks/results/campaign/stint-K/new-data.fdpack) as the folder it unpacks to, under
+    WORK/prev/ (named after the pack's folder and file)."""
+    p = Path(spec)
+    if p.suffix != ".fdpack":
+        return p
+    return work / "prev" / f"{p.parent.name}-{p.stem}"
+
+
 def merge_args(a: argparse.Namespace, prev: list[Path], new: Path, out: Path) -> list[str]:
     return [
         "data",
@@ -309,7 +319,13 @@ class Stint:
     def merge(self) -> None:
         if "merge" in self.state["done"]:
             return
-        new, prev = self.work / "new", [Path(p) for p in self.a.prev_data]
+        new, prev = self.work / "new", [prev_dataset(p, self.work) for p in self.a.prev_data]
+        for spec, folder in zip(self.a.prev_data, prev, strict=True):
+            if folder != Path(spec) and not (folder / "manifest.json").is_file():
+                from flashdraft.data.pack import unpack_dataset
+
+                unpack_dataset(spec, folder, overwrite=True)
+                self.note(f"unpacked {spec} into {folder}")
         if not prev:
             shutil.copytree(new, self.data, dirs_exist_ok=False)
         elif self.run("merge", merge_args(self.a, prev, new, self.data), 5.0) != 0:
@@ -493,7 +509,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--prev-data",
         action="append",
         default=[],
-        help="an earlier stint's dataset, merged in (carried; repeatable)",
+        help="an earlier stint's dataset, merged in (a folder, or a .fdpack file that is unpacked first; repeatable)",
     )
     p.add_argument("--data", default=None, help="train on this dataset instead of regen + merge")
     p.add_argument(
@@ -558,7 +574,7 @@ def commands(a: argparse.Namespace, budget: Budget) -> dict[str, Any]:
     if "regen" in phases and not a.data:
         out["regen"] = regen_args(a, stint_plan(a), work / "new", budget.regen)
     if "merge" in phases and not a.data and a.prev_data:
-        out["merge"] = merge_args(a, [Path(p) for p in a.prev_data], work / "new", data)
+        out["merge"] = merge_args(a, [prev_dataset(p, work) for p in a.prev_data], work / "new", data)
     if "train" in phases:
         out["train"] = train_args(a, data, work / "train-1", a.init_from, budget.train)
     if "eval" in phases and budget.eval > 0:

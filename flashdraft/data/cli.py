@@ -3,6 +3,7 @@
 flashdraft data regenerate --input sharegpt --limit 4 --max-length 512 --max-new-tokens 32 --out /tmp/regen-demo
 flashdraft data inspect /tmp/regen-demo
 flashdraft data merge --out data/all data/turn1 data/turns2
+flashdraft data pack data/all --out all.fdpack && flashdraft data unpack all.fdpack --out data/all-again
 flashdraft data sources
 """
 
@@ -181,6 +182,33 @@ def register(app: typer.Typer) -> None:
             overwrite=overwrite, command=" ".join(["flashdraft", *sys.argv[1:]]),
         )  # fmt: skip
         typer.echo(f"wrote {out}: {describe(m)}")
+
+    @data.command()
+    def pack(
+        path: str = typer.Argument(..., help="dataset folder"),
+        out: str = typer.Option(..., "--out", help="pack file to write (.fdpack)"),
+        overwrite: bool = typer.Option(False, help="replace an existing file at --out"),
+    ) -> None:
+        """The dataset as one xz file (kept in git, carried to a GPU host): `data unpack` gives it back."""
+        from flashdraft.data.pack import pack_dataset
+
+        st = pack_dataset(path, out, overwrite=overwrite)
+        mib = st["bytes"] / 2**20
+        typer.echo(f"wrote {out}: {st['samples']:,} samples, {st['tokens']:,} tokens in {mib:.2f} MiB")
+
+    @data.command()
+    def unpack(
+        path: str = typer.Argument(..., help="pack file written by `flashdraft data pack`"),
+        out: str = typer.Option(..., "--out", help="dataset folder to write"),
+        overwrite: bool = typer.Option(False, help="replace an existing dataset at --out"),
+    ) -> None:
+        """A packed dataset's folder again: the same shards, samples and manifest."""
+        from flashdraft.data.dataset import open_dataset
+        from flashdraft.data.merge import describe
+        from flashdraft.data.pack import unpack_dataset
+
+        d = unpack_dataset(path, out, overwrite=overwrite)
+        typer.echo(f"wrote {d}: {describe(open_dataset(d).manifest)}")
 
     @data.command()
     def inspect(
