@@ -72,16 +72,22 @@ def test_damaged_packs_are_one_line_errors_and_write_nothing(tmp_path):
     _dataset(tmp_path / "ds")
     pack_dataset(tmp_path / "ds", tmp_path / "ds.fdpack")
     payload = lzma.decompress((tmp_path / "ds.fdpack").read_bytes())
+    # one sample's meta made bad JSON (an extra quote), the header's length adjusted
+    bad_meta = payload.replace(b'{\\"conversation_id', b'{\\"conversation_id\\"', 1)
+    assert bad_meta != payload and len(bad_meta) == len(payload) + 2
+    size = int.from_bytes(payload[18:26], "little") + 2
+    bad_meta = bad_meta[:18] + size.to_bytes(8, "little") + bad_meta[26:]
     cases = {
         "not-xz": (b"hello", "not an xz-compressed pack"),
         "other-magic": (lzma.compress(b"PK" + payload[2:]), "not a flashdraft pack"),
         "short": (lzma.compress(payload[:-10]), "damaged pack"),
+        "bad-meta": (lzma.compress(bad_meta), "damaged pack"),
     }
     for name, (data, msg) in cases.items():
         (tmp_path / name).write_bytes(data)
         with pytest.raises(DatasetError, match=msg):
             unpack_dataset(tmp_path / name, tmp_path / f"out-{name}")
-        assert not (tmp_path / f"out-{name}").exists()
+        assert not (tmp_path / f"out-{name}").exists() and not list(tmp_path.glob(f".out-{name}*"))
     with pytest.raises(DatasetError, match="no such pack file"):
         unpack_dataset(tmp_path / "missing.fdpack", tmp_path / "out")
 
