@@ -377,13 +377,6 @@ class Trainer:
                             bar.refresh()
                         if line is not None and self.rank == 0:
                             (bar.write if bar is not None else print)(line, file=sys.stderr)
-                if self.validation is not None and self.validation.due(self.step, self.total_steps):
-                    self._val_values = self.validation.run(self.drafter, self.ema).values()
-                    interval.start += self._val_values["val/seconds"]  # not training: out of the throughput
-                logged = self.step % cfg.telemetry.log_every == 0 or self.step == self.total_steps
-                if logged or self._val_values:
-                    last = self._log(interval, bar)
-                    interval = Interval(self.block_size, self.device)
                 # every rank must take the same decision at the same step (one all-reduce under torchrun)
                 asked, out_of_time, stop = self._agree(
                     [
@@ -392,6 +385,15 @@ class Trainer:
                         signals.stop_signal is not None,
                     ]
                 )
+                # validated also at the step the time limit stops the run: the last validation is of its last weights
+                val = self.validation
+                if val is not None and val.due(self.step, self.total_steps, stopping=out_of_time):
+                    self._val_values = val.run(self.drafter, self.ema).values()
+                    interval.start += self._val_values["val/seconds"]  # not training: out of the throughput
+                logged = self.step % cfg.telemetry.log_every == 0 or self.step == self.total_steps
+                if logged or self._val_values:
+                    last = self._log(interval, bar)
+                    interval = Interval(self.block_size, self.device)
                 # a signal on another rank only: every rank stops with the same name
                 stop_name = (signals.stop_name or "SIGTERM") if stop else None
                 periodic = self.step % cfg.checkpoint.every == 0

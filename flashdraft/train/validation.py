@@ -214,8 +214,9 @@ class Validation:
         self.methods: list[Method] = methods_for(sorted(set(cfg.budgets)), cfg.topk or None)
         self.last: ValidationResult | None = None
 
-    def due(self, step: int, total_steps: int) -> bool:
-        return self.cfg.every > 0 and (step % self.cfg.every == 0 or step == total_steps)
+    def due(self, step: int, total_steps: int, stopping: bool = False) -> bool:
+        """Every eval.every steps, at the schedule's last step, and at a step the run stops at (its time limit)."""
+        return self.cfg.every > 0 and (stopping or step % self.cfg.every == 0 or step == total_steps)
 
     @torch.no_grad()
     def run(self, drafter: torch.nn.Module, ema: Any | None = None) -> ValidationResult:

@@ -181,6 +181,29 @@ def test_trainer_logs_validation_tau_equal_to_eval_of_its_checkpoint(tmp_path: P
     assert f"validation at step 5: chain τ {last['val/chain_tau']:.2f}" in md
 
 
+def test_a_run_stopped_by_its_time_limit_validates_its_last_weights(tmp_path: Path) -> None:
+    """The time limit stops the run after its first step, off the eval.every grid: the last line still holds the
+    validation of the weights it ends with (the campaign reads it as the stint's)."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"q{i}", "input_ids": p.input_ids}) + "\n"
+                               for i, p in enumerate(_prompts(3, 97, seed=2))))  # fmt: skip
+    run = tmp_path / "run"
+    cfg = load_config(TrainConfig, None, [
+        f"run_dir={run}", *SMALL, "eval.every=4", f"eval.dataset={prompts}", "eval.max_new_tokens=10",
+        "eval.budgets=[4]", "eval.topk=0", "runtime.time_limit_min=1e-6",
+    ])  # fmt: skip
+    target = tiny_target("llama", dtype=torch.float32)
+    res = train(cfg, target=target, samples=make_docs([40, 30, 20, 45]))
+    assert (res.stopped, res.steps) == ("time_limit", 1)
+    last = read_metrics(run)[-1]
+    assert last["step"] == 1 and "val/chain_tau" in last
+    refs = read_frozen(run / REFERENCES_FILE)
+    d = DFlashDrafter.from_pretrained(latest_checkpoint(run) / "drafter", dtype=torch.float32)
+    rep = evaluate(target, {"d": d}, [r.prompt_ids for r in refs.references], budgets=[4], topk=None,
+                   max_new_tokens=10, frozen=refs, progress=False).drafters["d"]  # fmt: skip
+    assert last["val/chain_tau"] == rep.methods["chain"].tau
+
+
 def _no_forward(target, monkeypatch) -> None:  # noqa: ANN001
     def forbidden(*a, **k):  # noqa: ANN002, ANN003, ANN202
         raise AssertionError("the target ran")
