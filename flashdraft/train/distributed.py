@@ -21,6 +21,7 @@ adds what a data-parallel run needs on top of the one-process Trainer:
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -244,5 +245,10 @@ class DistributedTrainer(Trainer):
 
 
 def shutdown(ctx: DistContext) -> None:
+    """Leave the process group. A gloo worker thread frees each finished collective's tensors, which takes the GIL;
+    a process group whose last reference goes in a Python dealloc (the DDP reducer's, after this) holds the GIL while
+    it joins those threads, so one still freeing deadlocks the rank at exit (seen once on a 2-core CPU, 2026-12-06:
+    a rank stuck in ~ProcessGroupGloo, its worker in ~AsyncBarrierWork). Sleeping first lets the workers finish."""
     if ctx.active and dist.is_initialized():
+        time.sleep(0.2)  # the GIL released: workers free what they hold
         dist.destroy_process_group()

@@ -7,6 +7,7 @@ import os
 import random
 import shutil
 import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -100,7 +101,13 @@ def test_two_gloo_ranks_equal_one_process_with_the_same_global_batch(tmp_path):
     while len(ports) < 4:  # one rendezvous port per run, all different
         if (port := _free_port()) not in ports:
             ports.append(port)
-    mp.spawn(_worker, args=(str(tmp_path), ports), nprocs=2, join=True)
+    procs = mp.spawn(_worker, args=(str(tmp_path), ports), nprocs=2, join=False)
+    deadline = time.monotonic() + 600  # a hung rank fails the test instead of stalling the suite
+    while not procs.join(timeout=5):
+        if time.monotonic() > deadline:
+            for proc in procs.processes:
+                proc.kill()
+            pytest.fail("the two gloo ranks did not finish in 600 s")
 
     one = read_metrics(tmp_path / "one")
     assert [m["step"] for m in one] == list(range(1, STEPS + 1))
