@@ -45,6 +45,14 @@ def _prompts(n: int, vocab: int, seed: int = 0) -> list[EvalPrompt]:
     ]  # fmt: skip
 
 
+def _prompts_file(tmp_path: Path, n: int, seed: int) -> Path:
+    """`n` prompts of `_prompts(n, 97, seed)` as the token-id prompts file `eval.dataset` reads."""
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"id": f"q{i}", "input_ids": p.input_ids}) + "\n"
+                            for i, p in enumerate(_prompts(n, 97, seed=seed))))  # fmt: skip
+    return path
+
+
 def test_validation_equals_flashdraft_eval(tmp_path: Path) -> None:
     """On a frozen reference file, one of whose references the target disagrees with, validation cuts it where
     `evaluate(frozen=read_frozen(FILE))` (what `flashdraft eval --references FILE` runs) cuts it: same τ."""
@@ -146,9 +154,7 @@ SMALL = [
 
 
 def test_trainer_logs_validation_tau_equal_to_eval_of_its_checkpoint(tmp_path: Path, capsys) -> None:  # noqa: ANN001
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"id": f"q{i}", "input_ids": p.input_ids}) + "\n"
-                               for i, p in enumerate(_prompts(4, 97, seed=1))))  # fmt: skip
+    prompts = _prompts_file(tmp_path, 4, seed=1)
     run = tmp_path / "run"
     cfg = load_config(TrainConfig, None, [
         f"run_dir={run}", *SMALL, "eval.every=2", f"eval.dataset={prompts}", "eval.limit=3",
@@ -184,9 +190,7 @@ def test_trainer_logs_validation_tau_equal_to_eval_of_its_checkpoint(tmp_path: P
 def test_a_run_stopped_by_its_time_limit_validates_its_last_weights(tmp_path: Path) -> None:
     """The time limit stops the run after its first step, off the eval.every grid: the last line still holds the
     validation of the weights it ends with (the campaign reads it as the stint's)."""
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"id": f"q{i}", "input_ids": p.input_ids}) + "\n"
-                               for i, p in enumerate(_prompts(3, 97, seed=2))))  # fmt: skip
+    prompts = _prompts_file(tmp_path, 3, seed=2)
     run = tmp_path / "run"
     cfg = load_config(TrainConfig, None, [
         f"run_dir={run}", *SMALL, "eval.every=4", f"eval.dataset={prompts}", "eval.max_new_tokens=10",
@@ -257,9 +261,7 @@ def test_a_legacy_references_file_is_read_as_written(tmp_path: Path, monkeypatch
 def test_a_run_with_legacy_references_resumes(tmp_path: Path) -> None:
     """A run whose RUN/val_references.jsonl is in the legacy format resumes, validates on it (τ as
     `flashdraft eval` of the resumed checkpoint on those references) and leaves the file as it was."""
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"id": f"q{i}", "input_ids": p.input_ids}) + "\n"
-                               for i, p in enumerate(_prompts(3, 97, seed=1))))  # fmt: skip
+    prompts = _prompts_file(tmp_path, 3, seed=1)
     run = tmp_path / "run"
     target = tiny_target("llama", dtype=torch.float32)
     val = [f"eval.dataset={prompts}", "eval.every=3", "eval.max_new_tokens=10", "eval.budgets=[4]", "eval.topk=0"]  # fmt: skip
