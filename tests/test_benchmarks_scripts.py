@@ -303,21 +303,27 @@ def test_regen_step_smoke_on_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     bench = _load_script(REPO / "benchmarks" / "gpu" / "regen_step.py", monkeypatch)
     import random_targets  # benchmarks/, on the path the script put it
 
+    import flashdraft.data.native as native
+    from tests.data.test_generate import _varlen_reference
+
     monkeypatch.setitem(random_targets.SHAPES["random-tiny"], "num_hidden_layers", 2)
+    monkeypatch.setattr(native, "varlen_support_error", lambda *a: None)  # the flash kernel by its definition
+    monkeypatch.setattr(native, "varlen_attention", _varlen_reference)
     out = tmp_path / "regen_step.json"
     argv = ["random-tiny", "--device", "cpu", "--rows", "3", "--spans", "256", "--reps", "1", "--prompts", "4",
             "--max-prompt", "140", "--new", "5", "--out", str(out)]  # fmt: skip
     res = bench.main(argv)
     assert json.loads(out.read_text()) == res
-    assert [r["variant"] for r in res["steps"]] == ["sdpa", "flex", "no-attention"]
-    assert res["steps"][1]["argmax_agree"] == 1.0 and res["steps"][1]["max_abs_dlogit"] < 1e-4
-    assert [r["attention"] for r in res["generate"]] == ["sdpa", "flex"]
+    assert [r["variant"] for r in res["steps"]] == ["sdpa", "varlen", "flex", "no-attention"]
+    for row in res["steps"][1:3]:
+        assert row["argmax_agree"] == 1.0 and row["max_abs_dlogit"] < 1e-4
+    assert [r["attention"] for r in res["generate"]] == ["sdpa", "varlen"]
     assert res["generate"][1]["same_ids_as_sdpa"] == 4 and res["generate"][0]["tokens"] == 20
-    assert res["pick"] in ("sdpa", "flex")
-    fast = {"steps": [{"variant": "flex", "argmax_agree": 1.0}], "generate": [
-        {"attention": "sdpa", "tok_s": 100}, {"attention": "flex", "tok_s": 106}]}  # fmt: skip
-    assert bench.pick(fast) == "flex"
-    assert bench.pick({**fast, "steps": [{"variant": "flex", "argmax_agree": 0.9}]}) == "sdpa"
+    assert res["pick"] in ("sdpa", "varlen")
+    fast = {"steps": [{"variant": "varlen", "argmax_agree": 1.0}], "generate": [
+        {"attention": "sdpa", "tok_s": 100}, {"attention": "varlen", "tok_s": 106}]}  # fmt: skip
+    assert bench.pick(fast) == "varlen"
+    assert bench.pick({**fast, "steps": [{"variant": "varlen", "argmax_agree": 0.9}]}) == "sdpa"
     fast["generate"][1]["tok_s"] = 104  # under 5% faster: not worth a change
     assert bench.pick(fast) == "sdpa"
     with pytest.raises(SystemExit, match="--overwrite"):

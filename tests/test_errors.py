@@ -128,6 +128,10 @@ def test_regenerate_with_nothing_usable_fails(files: dict[str, Path]) -> None:
                      "--out", str(out), "--max-length", "8", "--block-size", "2", "--contamination", "none"])  # fmt: skip
     assert "nothing usable remains of 4 conversations" in msg and "'conversation_over_max_length': 4" in msg
     assert not out.exists() and not out.with_name("regen-short.partial").exists()
+    msg = one_error(["data", "regenerate", "--target", str(files["target"]), "--input", f"prompts:{prompts}",
+                     "--out", str(out), "--engine", "native", "--attention", "varlen"])  # fmt: skip
+    assert "--attention varlen: needs CUDA (device cpu)" in msg
+    assert not out.exists() and not out.with_name("regen-short.partial").exists()
 
 
 def test_features_dump(files: dict[str, Path]) -> None:

@@ -149,7 +149,7 @@ def regen_args(a: argparse.Namespace, plan: StintPlan, out: Path, minutes: float
         "--max-new-tokens", str(a.max_new_tokens), "--shard-size", "256", "--max-turns", str(plan.max_turns),
         "--skip", str(plan.skip),
         "--temperature", str(plan.temperature), "--seed", str(plan.seed), "--time-limit", str(minutes),
-        "--contamination", f"humaneval:{a.humaneval}",
+        "--contamination", f"humaneval:{a.humaneval}", "--attention", a.attention,
     ]  # fmt: skip
     for spec in a.input:
         args += ["--input", check_training_input(spec)]
@@ -521,6 +521,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="HumanEval for contamination",
     )
     p.add_argument("--max-new-tokens", type=int, default=512, help="regeneration cap per answer")
+    p.add_argument(
+        "--attention", default="auto", choices=["auto", "sdpa", "varlen"], help="regeneration's decode attention"
+    )
     p.add_argument(
         "--temperature", type=float, default=None, help="instead of the stint's (0: greedy answers)"
     )

@@ -9,14 +9,16 @@ over a static cache; under continuous batching the rows' lengths spread between 
 row's (the span the step reads). For each span in `--spans`, rows at lengths drawn uniformly from [span / 8, span)
 (the longest at span − 1), the cache filled with random K/V, the median time of one step (a CUDA-graph replay, as
 regeneration runs it) for each attention variant:
-- `sdpa`: the engine's own (`BatchedNativeTarget._attention`; SDPA picks its kernel), and SDPA pinned to each of its backends
-  (`sdpa:efficient`, `sdpa:cudnn`, `sdpa:math`, where they run);
+- `sdpa`: one mask over the span (`BatchedNativeTarget(attention="sdpa")`; SDPA picks its kernel), and SDPA pinned to
+  each of its backends (`sdpa:efficient`, `sdpa:cudnn`, `sdpa:math`, where they run);
+- `varlen`: flash attention over the packed cache with each row's own key count (`attention="varlen"`, the engine's
+  default where it runs): the columns past a row's length are not read;
 - `flex`: flex_attention's decoding kernel over a BlockMask of each row's own KV blocks (`flex_attention_step`, this
   file's: regeneration keeps SDPA, which was faster on an H100, benchmarks/RESULTS.md);
 - `no-attention`: the step with attention replaced by a copy of the query: what the rest of the step costs.
 Each variant's logits against `sdpa`'s at the same state: max |Δlogit| and argmax agreement.
 Then end to end: `native_generate` on `--prompts` random-token prompts (lengths uniform in [32, --max-prompt]),
-`--new` tokens each, no stop token, for `sdpa` and `flex`: generated tokens/s and whether the ids agree.
+`--new` tokens each, no stop token, for `sdpa` and `varlen`: generated tokens/s and whether the ids agree.
 `pick` in the JSON: the faster attention end to end (`pick`). Prints a table; writes JSON after each stage (a run
 cut by `timeout` keeps what it measured).
 """
@@ -29,9 +31,9 @@ import os
 import sys
 import time
 from contextlib import nullcontext
+from functools import partial
 from pathlib import Path
 from typing import Any
-from unittest.mock import patch
 
 import torch
 
@@ -42,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # random_targets
 from phase_timing import median_ms  # noqa: E402
 from random_targets import SHAPES, random_target  # noqa: E402
 
+import flashdraft.data.native as native  # noqa: E402
 from flashdraft.data.loop import GenerationParams  # noqa: E402
 from flashdraft.data.native import BatchedNativeTarget, native_generate  # noqa: E402
 from flashdraft.target import load_target  # noqa: E402
@@ -104,16 +107,15 @@ def flex_attention_step(
         _FLEX["fn"] = torch.compile(flex_attention, dynamic=False) if lengths.is_cuda else flex_attention
     block_mask = decode_block_mask(lengths, span)
     gqa = self.n_heads > self.n_kv
-    return lambda q, k, v, scale: _FLEX["fn"](q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa)[
-        :, :, 0
-    ]
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        k, v = k[:, :span].transpose(1, 2), v[:, :span].transpose(1, 2)  # [rows, kv, span, hd]
+        return _FLEX["fn"](q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa)[:, :, 0]
+
+    return attend
 
 
-ATTENTION = {
-    "sdpa": BatchedNativeTarget._attention,
-    "flex": flex_attention_step,
-    "no-attention": no_attention,
-}
+PATCHED = {"flex": flex_attention_step, "no-attention": no_attention}  # the others: BatchedNativeTarget's own
 
 
 def time_variant(
@@ -121,8 +123,9 @@ def time_variant(
 ) -> tuple[float, torch.Tensor]:
     """The median ms of one step at this state, and the step's logits (float32, on the host)."""
     kind, _, backend = variant.partition(":")
-    net = BatchedNativeTarget(target, rows, span)
-    net._attention = ATTENTION[kind].__get__(net)  # type: ignore[method-assign]
+    net = BatchedNativeTarget(target, rows, span, attention="varlen" if kind == "varlen" else "sdpa")
+    if kind in PATCHED:
+        net._attention = PATCHED[kind].__get__(net)  # type: ignore[method-assign]
     gen = torch.Generator(device=net.cache.device).manual_seed(0)
     net.cache.normal_(generator=gen).mul_(0.5)
     cuda = target.device.type == "cuda"
@@ -162,9 +165,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "date": time.strftime("%Y-%m-%d"), "steps": [], "generate": [],
     }  # fmt: skip
     save = lambda: Path(args.out).write_text(json.dumps(out, indent=1))  # noqa: E731
-    variants = ["sdpa", "flex", "no-attention"]
-    if dev.type == "cuda":
-        variants[1:1] = ["sdpa:efficient", "sdpa:cudnn", "sdpa:math"]
+    why_not = native.varlen_support_error(dev, dtype, native.attention_geometry(target)[2])
+    if why_not:
+        log(f"varlen left out: {why_not}")
+    end_to_end = ["sdpa"] + ([] if why_not else ["varlen"])
+    pinned = ["sdpa:efficient", "sdpa:cudnn", "sdpa:math"] if dev.type == "cuda" else []
+    variants = [*end_to_end, *pinned, "flex", "no-attention"]
     g = torch.Generator().manual_seed(0)
     vocab = target.model.config.vocab_size
     log(f"{out['device']}, {args.target}, {dtype}, {args.rows} rows")
@@ -202,16 +208,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         params = GenerationParams(max_new_tokens=args.new, stop_ids=[])
         ids_by: dict[str, list[list[int]]] = {}
         log(f"end to end: {args.prompts} prompts of 32–{args.max_prompt} tokens, {args.new} new tokens each")
-        for attention in ("sdpa", "flex"):
-            with patch.object(BatchedNativeTarget, "_attention", ATTENTION[attention]):
-                native_generate(target, prompts[: args.rows], params, seed=0, rows=args.rows)  # warm-up
-                if dev.type == "cuda":
-                    torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                gens = native_generate(target, prompts, params, seed=0, rows=args.rows)
-                if dev.type == "cuda":
-                    torch.cuda.synchronize()
-                s = time.perf_counter() - t0
+        for attention in end_to_end:
+            run = partial(native_generate, target, params=params, seed=0, rows=args.rows, attention=attention)
+            run(prompts[: args.rows])  # warm-up
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            gens = run(prompts)
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            s = time.perf_counter() - t0
             ids_by[attention] = [gen.ids for gen in gens]
             n = sum(len(x) for x in ids_by[attention])
             row = {"attention": attention, "tokens": n, "s": round(s, 2), "tok_s": round(n / s)}
@@ -236,7 +242,7 @@ def pick(out: dict[str, Any]) -> str:
     """The attention for regeneration: the fastest end to end (by 5% at least, else sdpa) among those whose step
     logits chose sdpa's token for >= 99% of the rows at every span measured."""
     ok = {"sdpa"} | {
-        a for a in ("flex",)
+        a for a in ("varlen", "flex")
         if all(r.get("argmax_agree", 0) >= 0.99 for r in out["steps"] if r["variant"] == a)
         and any(r["variant"] == a for r in out["steps"])
     }  # fmt: skip

@@ -68,6 +68,11 @@ def register(app: typer.Typer) -> None:
             help="'native' (continuous batching over a static KV cache; Llama/Qwen/Mistral), 'loop' (batched loop "
             "over transformers' forward), or 'auto': native on CUDA where the family allows, else loop",
         ),
+        attention: str = typer.Option(
+            "auto",
+            help="native engine's decode-step attention: 'varlen' (flash attention, each row reads only its own "
+            "cache; CUDA, bf16/fp16), 'sdpa' (one mask over the longest row), or 'auto': varlen where it runs",
+        ),
         loop_groups: int = typer.Option(
             0,
             min=0,
@@ -132,6 +137,13 @@ def register(app: typer.Typer) -> None:
 
                 engine = "native" if t.device.type == "cuda" and not native_support_error(t) else "loop"
             groups = loop_groups or (5 if t.device.type == "cpu" else 1)
+            if engine == "native":  # resolved here so the manifest says which ran
+                from flashdraft.data.native import decode_attention
+
+                try:
+                    attention = decode_attention(t, attention)
+                except ValueError as e:
+                    raise typer.BadParameter(f"--{e}") from None
             gen = LocalGenerator(
                 t,
                 params,
@@ -139,12 +151,14 @@ def register(app: typer.Typer) -> None:
                 batch_size=batch_size,
                 max_batch_tokens=max_batch_tokens,
                 groups=groups,
+                attention=attention,
             )
         import sys
 
         extra = {
             "command": " ".join(["flashdraft", *sys.argv[1:]]),
             "engine": "server:" + server if server else engine,
+            **({"attention": attention} if engine == "native" and not server else {}),
         }
         res = run(cfg, tpl, gen, manifest_extra=extra, overwrite=overwrite)
         m = res.manifest

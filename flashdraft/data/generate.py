@@ -63,6 +63,7 @@ class LocalGenerator:
         batch_size: int = 64,
         max_batch_tokens: int | None = None,
         groups: int = 1,
+        attention: str = "auto",
     ) -> None:
         if engine == "hf":
             raise ValueError(
@@ -71,8 +72,11 @@ class LocalGenerator:
             )
         if engine not in ("native", "loop"):
             raise ValueError(f"unknown engine {engine!r}: use 'native' or 'loop'")
+        if attention not in ("auto", "sdpa", "varlen"):
+            raise ValueError(f"attention {attention!r}: use auto, sdpa or varlen")
         self.target, self.params, self.engine = target, params, engine
         self.batch_size, self.max_batch_tokens = batch_size, max_batch_tokens
+        self.attention = attention  # native engine: the decode step's (`BatchedNativeTarget`)
         self.groups = (
             groups  # loop engine: batches decoded together (flashdraft/data/grouped.py); 1 = one at a time
         )
@@ -89,7 +93,7 @@ class LocalGenerator:
         if self.engine == "native":  # schedules its own rows (continuous batching)
             return native_generate(
                 self.target, prompts, self.params, seed, rows=self.batch_size, max_batch_tokens=self.max_batch_tokens,
-                on_batch=on_batch, stats=self.native_stats, **follow,
+                on_batch=on_batch, stats=self.native_stats, attention=self.attention, **follow,
             )  # fmt: skip
         if follow:
             raise ValueError(f"engine {self.engine!r} does not take follow-up prompts (only 'native' does)")

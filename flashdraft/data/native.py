@@ -14,7 +14,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
+from functools import cache, partial
 from typing import Any
 
 import torch
@@ -77,25 +77,31 @@ class BatchedNativeTarget:
     prompt by `prefill(slots, ...)`, which overwrites its columns from 0; stale columns past a row's
     length are never attended (the mask is `column <= length`). Nothing is allocated per step, so
     the cache never grows or copies the way a transformers DynamicCache does (torch.cat per step).
+    A layer's keys are one packed [rows × capacity, kv_heads, head_dim] buffer (row r's columns at
+    r × capacity onwards), so the decode step's attention can read each row's own columns only
+    (`attention="varlen"`, flash attention with per-row key counts) instead of every row up to the span.
 
         net = BatchedNativeTarget(target, rows=512, capacity=longest_prompt + max_new)
         logits = net.prefill(slots, ids_right_padded, prompt_lengths)     # [n, V] at each last prompt token
         logits = net.step(next_ids, lengths, span)                        # [rows, V]
     """
 
-    def __init__(self, target: TargetModel, rows: int, capacity: int, *, compile: bool = False) -> None:
+    def __init__(
+        self, target: TargetModel, rows: int, capacity: int, *, compile: bool = False, attention: str = "auto"
+    ) -> None:
         why = native_support_error(target)
         if why is not None:
             raise ValueError(f"native target forward: {why}")
+        self.attention = decode_attention(target, attention)
         self.target = target
         self.n_heads, self.n_kv, self.head_dim = attention_geometry(target)
         self.rows, self.capacity = rows, capacity
         self.inner = target.model.model
         self.layers = list(target.layers)
         self.head = HeadFP32(target.lm_head)
-        # [layers, 2 (k, v), rows, kv_heads, capacity, head_dim]; zeros so unwritten columns are finite
+        # [layers, 2 (k, v), rows, capacity, kv_heads, head_dim]; zeros so unwritten columns are finite
         self.cache = torch.zeros(
-            len(self.layers), 2, rows, self.n_kv, capacity, self.head_dim, dtype=target.dtype, device=target.device
+            len(self.layers), 2, rows, capacity, self.n_kv, self.head_dim, dtype=target.dtype, device=target.device
         )  # fmt: skip
         # step_graphed: static inputs, and one CUDA graph (with its static output) per span bucket
         self._ids = torch.zeros(rows, dtype=torch.long, device=target.device)
@@ -155,8 +161,8 @@ class BatchedNativeTarget:
         rep = self.n_heads // self.n_kv
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-            self.cache[i, 0, slots, :, :p_len] = k
-            self.cache[i, 1, slots, :, :p_len] = v
+            self.cache[i, 0, slots, :p_len] = k.transpose(1, 2)  # [n, P, kv, hd]
+            self.cache[i, 1, slots, :p_len] = v.transpose(1, 2)
             if rep > 1:  # head h reads kv head h // rep
                 k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)  # [n, heads, P, hd]
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
@@ -185,9 +191,10 @@ class BatchedNativeTarget:
         rep = self.n_heads // self.n_kv
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-            self.cache[i, 0, rows_w, :, cols_w] = k.transpose(1, 2)[real]  # [M, kv, hd]
-            self.cache[i, 1, rows_w, :, cols_w] = v.transpose(1, 2)[real]
-            kc, vc = self.cache[i, 0, slots, :, :span], self.cache[i, 1, slots, :, :span]  # [n, kv, span, hd]
+            self.cache[i, 0, rows_w, cols_w] = k.transpose(1, 2)[real]  # [M, kv, hd]
+            self.cache[i, 1, rows_w, cols_w] = v.transpose(1, 2)[real]
+            kc = self.cache[i, 0, slots, :span].transpose(1, 2)  # [n, kv, span, hd]
+            vc = self.cache[i, 1, slots, :span].transpose(1, 2)
             if rep > 1:  # head h reads kv head h // rep
                 kc, vc = kc.repeat_interleave(rep, dim=1), vc.repeat_interleave(rep, dim=1)
             return F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, scale=scale)
@@ -225,17 +232,16 @@ class BatchedNativeTarget:
         if torch.compiler.is_compiling():
             dev = lengths.device
             index = (
-                torch.full((1, 1, 1), layer, dtype=torch.long, device=dev),
-                torch.arange(2, device=dev)[:, None, None],  # k, v
-                ar[None, :, None],
-                torch.arange(self.n_kv, device=dev)[None, None, :],
-                lengths[None, :, None],
-            )  # broadcast to [2, rows, kv]
+                torch.full((1, 1), layer, dtype=torch.long, device=dev),
+                torch.arange(2, device=dev)[:, None],  # k, v
+                ar[None, :],
+                lengths[None, :],
+            )  # broadcast to [2, rows]
             self.cache.index_put_(index, torch.stack([k, v]))  # [2, rows, kv, hd]
         else:
-            kc, vc = self.cache[layer, 0], self.cache[layer, 1]  # [rows, kv, S, hd] views
-            kc[ar, :, lengths] = k  # advanced indices around a slice: [rows, kv, hd]
-            vc[ar, :, lengths] = v
+            kc, vc = self.cache[layer, 0], self.cache[layer, 1]  # [rows, S, kv, hd] views
+            kc[ar, lengths] = k  # [rows, kv, hd]
+            vc[ar, lengths] = v
 
     @torch.no_grad()
     def step(self, input_ids: torch.Tensor, lengths: torch.Tensor, span: int) -> torch.Tensor:
@@ -254,8 +260,7 @@ class BatchedNativeTarget:
                 layer, h, self.n_heads, self.n_kv, self.head_dim, cos, sin
             )  # [rows, heads|kv, 1, hd]
             self._write_kv(i, ar, lengths, k[:, :, 0], v[:, :, 0])
-            kc, vc = self.cache[i, 0, :, :, :span], self.cache[i, 1, :, :, :span]  # [rows, kv, span, hd]
-            o = attend(q, kc, vc, attn.scaling)  # [rows, heads, hd]
+            o = attend(q, self.cache[i, 0], self.cache[i, 1], attn.scaling)  # [rows, heads, hd]
             h = h + attn.o_proj(o.reshape(rows, 1, self.n_heads * self.head_dim))
             h = h + layer.mlp(rms_norm(layer.post_attention_layernorm, h))
         return self._logits(h[:, 0])
@@ -263,22 +268,87 @@ class BatchedNativeTarget:
     def _attention(
         self, lengths: torch.Tensor, span: int, dtype: torch.dtype
     ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]:
-        """The step's attention, its mask built once for every layer: q [rows, heads, 1, hd] over the cache's
-        first `span` columns k, v [rows, kv, span, hd], row r reading columns <= lengths[r]; → [rows, heads, hd].
-        One additive mask; the rep query heads of a kv head ride in the query-length slot ([rows, kv, rep, hd] over
-        [rows, kv, span, hd]: a fused kernel, cuDNN's on an H100, with no copy of the cache per head). Every column
-        up to the span is read: flex_attention over each row's own KV blocks was 1.7–1.8× slower on an H100
-        (benchmarks/gpu/regen_step.py, which swaps this method for its variants)."""
-        rows, n_kv, hd = self.rows, self.n_kv, self.head_dim
+        """The step's attention, set up once for every layer: q [rows, heads, 1, hd] over one layer's cache k, v
+        [rows, capacity, kv, hd], row r reading columns <= lengths[r] (all < `span`); → [rows, heads, hd]. The rep
+        query heads of a kv head ride in the query-length slot, so each kv head's keys are read once for all of
+        them. `sdpa`: one additive mask over the first `span` columns of every row ([rows, kv, rep, hd] over
+        [rows, kv, span, hd]: a fused kernel, cuDNN's on an H100), so every row reads up to the longest. `varlen`:
+        flash attention over the packed cache with each row's own key count (`seqused_k`), reading only the
+        columns a row attends. flex_attention over each row's own KV blocks was 1.7–1.8× slower than sdpa on an
+        H100 (benchmarks/gpu/regen_step.py, which swaps this method for its variants)."""
+        rows, n_kv, hd, cap = self.rows, self.n_kv, self.head_dim, self.capacity
         rep = self.n_heads // n_kv
+        if self.attention == "varlen":
+            dev = lengths.device
+            cu_q = torch.arange(0, (rows + 1) * rep, rep, dtype=torch.int32, device=dev)
+            cu_k = torch.arange(0, (rows + 1) * cap, cap, dtype=torch.int32, device=dev)
+            used = (lengths + 1).to(torch.int32)
+
+            def attend_varlen(
+                q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+            ) -> torch.Tensor:
+                q = q.reshape(rows, n_kv, rep, hd).transpose(1, 2).reshape(rows * rep, n_kv, hd)
+                o = varlen_attention(q, k.view(rows * cap, n_kv, hd), v.view(rows * cap, n_kv, hd), cu_q, cu_k,
+                                     rep, span, scale, used)  # fmt: skip
+                return o.view(rows, rep, n_kv, hd).transpose(1, 2).reshape(rows, n_kv * rep, hd)
+
+            return attend_varlen
         allowed = torch.arange(span, device=lengths.device)[None] <= lengths[:, None]  # [rows, span]
         mask = additive_mask(allowed, dtype)[:, None, None]  # [rows, 1, 1, span]
 
         def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
             q = q.reshape(rows, n_kv, rep, hd)
+            k, v = k[:, :span].transpose(1, 2), v[:, :span].transpose(1, 2)  # [rows, kv, span, hd]
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale).reshape(rows, -1, hd)
 
         return attend
+
+
+def varlen_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int,
+    max_k: int, scale: float, used_k: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
+    """Flash attention over packed sequences: sequence b's queries are q[cu_q[b]:cu_q[b+1]] [Tq, heads, hd], its
+    keys and values the first used_k[b] of k, v[cu_k[b]:cu_k[b+1]] [Tk, heads, hd]; no causal mask. → [Tq, heads,
+    hd]. PyTorch's own flash kernel (fp16/bf16, CUDA, sm80+), which reads no key past used_k[b]."""
+    return torch.ops.aten._flash_attention_forward(
+        q, k, v, cu_q, cu_k, max_q, max_k, 0.0, False, False, scale=scale, seqused_k=used_k
+    )[0]
+
+
+def decode_attention(target: TargetModel, attention: str) -> str:
+    """The decode step's attention for `attention` ("auto", "sdpa" or "varlen") on this target's device and dtype:
+    auto is varlen where it runs, else sdpa. ValueError (one line) for a name it does not know or varlen where it
+    cannot run."""
+    if attention not in ("auto", "sdpa", "varlen"):
+        raise ValueError(f"attention {attention!r}: use auto, sdpa or varlen")
+    if attention == "sdpa":
+        return attention
+    why_not = varlen_support_error(target.device, target.dtype, attention_geometry(target)[2])
+    if why_not and attention == "varlen":
+        raise ValueError(f"attention varlen: {why_not}")
+    return "sdpa" if why_not else "varlen"
+
+
+@cache
+def varlen_support_error(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+    """Why `varlen_attention` cannot run here (None: it can): the checks, then one tiny call (this torch's flash
+    kernel may lack `seqused_k`)."""
+    if device.type != "cuda":
+        return f"needs CUDA (device {device.type})"
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"needs float16 or bfloat16 (dtype {dtype})"
+    if head_dim % 8 or head_dim > 256:
+        return f"head_dim {head_dim}: flash attention takes multiples of 8 up to 256"
+    if torch.cuda.get_device_capability(device) < (8, 0):
+        return "flash attention needs compute capability 8.0 or newer"
+    try:
+        x = torch.zeros(4, 1, head_dim, dtype=dtype, device=device)
+        cu = torch.tensor([0, 2, 4], dtype=torch.int32, device=device)
+        varlen_attention(x, x, x, cu, cu, 2, 2, 1.0, torch.tensor([1, 2], dtype=torch.int32, device=device))
+    except (RuntimeError, TypeError, NotImplementedError) as e:
+        return f"this torch's flash attention failed: {str(e).splitlines()[0][:200]}"
+    return None
 
 
 @torch.inference_mode()
@@ -287,7 +357,7 @@ def native_generate(
     max_batch_tokens: int | None = None, sync_every: int = 8, prefill_tokens: int = 65536, on_batch: Any = None,
     follow_up: Callable[[int, Generation], list[int] | None] | None = None, priority: list[int] | None = None,
     max_prompt_len: int | None = None, compile_step: bool = False, stats: NativeStats | None = None,
-    deadline: float | None = None, reuse_cache: bool = True,
+    deadline: float | None = None, reuse_cache: bool = True, attention: str = "auto",
 ) -> list[Generation | None]:  # fmt: skip
     """Continuous batching over a static cache (`BatchedNativeTarget`): `rows` sequences decode together;
     every `sync_every` steps the host reads which rows finished (the only host sync), collects them
@@ -299,7 +369,8 @@ def native_generate(
     `max_prompt_len` must then bound every prompt (it sizes the cache). `max_batch_tokens` caps
     the cache's tokens, rows × (max_prompt_len + max_new_tokens), at layers × 2 × kv_heads × head_dim × dtype
     bytes each; the cache is freed when the call returns. `compile_step`: the decode step through torch.compile
-    (`BatchedNativeTarget(compile=True)`). `stats` (a NativeStats) adds up where the time went. `deadline` (a
+    (`BatchedNativeTarget(compile=True)`); `attention`: the decode step's (`BatchedNativeTarget`: auto is varlen
+    where it runs, else sdpa). `stats` (a NativeStats) adds up where the time went. `deadline` (a
     `time.perf_counter()` value): the call returns at the first host sync after it, with None for every prompt
     not finished by then. Greedy output equals `loop_generate`'s; sampled output depends only on the prompts and
     the seed."""
@@ -313,7 +384,7 @@ def native_generate(
         rows = min(rows, max(1, max_batch_tokens // capacity))
     rows = max(1, min(rows, len(prompts)))
     refill_at = max(1, rows // 8)  # free rows that trigger a refill (while prompts are waiting)
-    net = BatchedNativeTarget(target, rows, capacity, compile=compile_step)
+    net = BatchedNativeTarget(target, rows, capacity, compile=compile_step, attention=attention)
     stop = torch.tensor(params.stop_ids or [-1], device=dev)
     gen = torch.Generator(device=dev).manual_seed(seed) if params.temperature > 0 else None
     ar = torch.arange(rows, device=dev)

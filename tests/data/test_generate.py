@@ -106,6 +106,60 @@ def test_native_continuous_batching_matches_unbatched_greedy(family):
     assert [g.ids for g in gen.generate(prompts, seed=0)] == ref
 
 
+def _varlen_reference(q, k, v, cu_q, cu_k, max_q, max_k, scale, used_k):
+    """What `varlen_attention` (flash attention over packed sequences) computes, one sequence at a time, with the
+    checks its kernel would need to hold: each sequence's used keys inside its own slice, within max_k."""
+    out = torch.full_like(q, float("nan"))
+    for b in range(len(cu_q) - 1):
+        q0, q1, k0, n = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(used_k[b])
+        assert 1 <= n <= min(max_k, int(cu_k[b + 1]) - k0) and q1 - q0 <= max_q
+        w = torch.einsum("qhd,khd->hqk", q[q0:q1], k[k0 : k0 + n]) * scale
+        out[q0:q1] = torch.einsum("hqk,khd->qhd", w.softmax(-1), v[k0 : k0 + n])
+    return out
+
+
+def test_native_varlen_attention_matches_unbatched_greedy(family, monkeypatch):
+    """The decode step with `attention="varlen"` (each row reads only its own cache columns through the packed
+    cache) gives unbatched greedy decoding's ids, refills and follow-ups included; the flash kernel is replaced by
+    its definition (`_varlen_reference`), which checks the packing."""
+    import flashdraft.data.native as native
+
+    calls = []
+    monkeypatch.setattr(native, "varlen_support_error", lambda *a: None)
+    monkeypatch.setattr(native, "varlen_attention", lambda *a: calls.append(1) or _varlen_reference(*a))
+    target = tiny_target(family)
+    prompts = _prompts(97, [5, 12, 1, 9, 3, 17, 7], seed=3)
+    stop = [_reference_greedy(target, prompts[1], 10, [])[4]]
+    params = GenerationParams(max_new_tokens=10, stop_ids=stop)
+    asked: list[list[int]] = []  # follow-ups in the order they were asked: their results' order
+
+    def follow(i: int, g) -> list[int] | None:
+        if i >= 2:
+            return None
+        asked.append(prompts[i] + g.ids + [7, 8])  # a next turn extending the row's cache
+        return asked[-1]
+
+    got = native.native_generate(
+        target, prompts, params, seed=0, rows=3, sync_every=3, prefill_tokens=30, attention="varlen",
+        follow_up=follow, max_prompt_len=40,
+    )  # fmt: skip
+    everything = prompts + asked
+    assert [g.ids for g in got] == [_reference_greedy(target, p, 10, stop) for p in everything]
+    assert calls
+
+
+def test_native_attention_choice():
+    """varlen needs CUDA and fp16/bf16: asked for elsewhere it is refused with the reason; auto falls back to sdpa."""
+    from flashdraft.data.native import BatchedNativeTarget
+
+    target = tiny_target("llama")
+    assert BatchedNativeTarget(target, rows=2, capacity=8).attention == "sdpa"
+    with pytest.raises(ValueError, match="attention varlen: needs CUDA"):
+        BatchedNativeTarget(target, rows=2, capacity=8, attention="varlen")
+    with pytest.raises(ValueError, match="attention 'flash': use auto, sdpa or varlen"):
+        BatchedNativeTarget(target, rows=2, capacity=8, attention="flash")
+
+
 @pytest.mark.parametrize("reuse", [True, False])
 def test_native_follow_ups_keep_their_row_cache_with_the_same_ids(family, reuse):
     """A follow-up prompt that extends its row's prompt and answer (a conversation's next turn) stays in that row
@@ -220,6 +274,30 @@ def test_native_generation_with_cuda_graphs_matches_eager_steps(monkeypatch):
     )
     eager = native_generate(target, prompts, params, seed=0, rows=4, sync_every=4)
     assert [g.ids for g in graphed] == [g.ids for g in eager]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_native_varlen_step_matches_sdpa_on_gpu(dtype):
+    """On CUDA the flash varlen step (each row's own columns) gives the sdpa step's logits (one mask over the span)
+    at the same cache state, up to the dtype's rounding: rows at spread lengths, GQA target, CUDA graphs."""
+    from flashdraft.data.native import BatchedNativeTarget
+
+    target = tiny_target("qwen3", dtype=dtype)
+    target.model.to("cuda")
+    rows, cap = 16, 300
+    g = torch.Generator(device="cuda").manual_seed(0)
+    lengths = torch.randint(1, cap - 1, (rows,), generator=g, device="cuda")
+    ids = torch.randint(3, 97, (rows,), generator=g, device="cuda")
+    out = {}
+    for attention in ("sdpa", "varlen"):
+        net = BatchedNativeTarget(target, rows, cap, attention=attention)
+        net.cache.copy_(torch.randn(net.cache.shape, generator=g.manual_seed(1), device="cuda", dtype=dtype))
+        out[attention] = net.step_graphed(ids, lengths, int(lengths.max()) + 1).float().clone()
+    scale = out["sdpa"].abs().max()
+    assert (out["varlen"] - out["sdpa"]).abs().max() <= 0.02 * scale
+    assert (out["varlen"].argmax(-1) == out["sdpa"].argmax(-1)).float().mean() >= 0.9
 
 
 @pytest.mark.gpu
