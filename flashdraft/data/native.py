@@ -33,9 +33,11 @@ from flashdraft.decode.native import (
     HeadFP32,
     additive_mask,
     attention_geometry,
+    fuse_projections,
     native_support_error,
     rms_norm,
     rope_tables,
+    target_mlp,
     target_qkv,
 )
 from flashdraft.target import TargetModel
@@ -92,6 +94,7 @@ class BatchedNativeTarget:
         why = native_support_error(target)
         if why is not None:
             raise ValueError(f"native target forward: {why}")
+        fuse_projections(target)  # q/k/v and gate/up: one matmul each
         self.attention = decode_attention(target, attention)
         self.target = target
         self.n_heads, self.n_kv, self.head_dim = attention_geometry(target)
@@ -219,7 +222,7 @@ class BatchedNativeTarget:
             )  # [n, heads|kv, P, hd]
             o = attend(i, q, k, v, attn.scaling)  # [n, heads, P, hd]
             h = h + attn.o_proj(o.transpose(1, 2).reshape(n, p_len, self.n_heads * self.head_dim))
-            h = h + layer.mlp(rms_norm(layer.post_attention_layernorm, h))
+            h = h + target_mlp(layer, h)
         last = h[torch.arange(n, device=h.device), lengths - 1]  # [n, H] the last real token of each row
         return self._logits(last)
 
@@ -262,7 +265,7 @@ class BatchedNativeTarget:
             self._write_kv(i, ar, lengths, k[:, :, 0], v[:, :, 0])
             o = attend(q, self.cache[i, 0], self.cache[i, 1], attn.scaling)  # [rows, heads, hd]
             h = h + attn.o_proj(o.reshape(rows, 1, self.n_heads * self.head_dim))
-            h = h + layer.mlp(rms_norm(layer.post_attention_layernorm, h))
+            h = h + target_mlp(layer, h)
         return self._logits(h[:, 0])
 
     def _attention(

@@ -16,7 +16,7 @@ is copied, so a checkpoint loaded once serves the reference decoder and this eng
 
 Used by `flashdraft/decode/engine.py`; `tests/decode/test_engine.py` checks it against HF in float64. The
 regeneration engine's batched forward (flashdraft/data/native.py) shares the public layer primitives below
-(`rope_tables`, `rms_norm`, `additive_mask`, `target_qkv`, `HeadFP32`).
+(`rope_tables`, `rms_norm`, `additive_mask`, `fuse_projections`, `target_qkv`, `target_mlp`, `HeadFP32`).
 """
 
 from __future__ import annotations
@@ -133,23 +133,78 @@ def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     )
 
 
+def fuse_projections(target: TargetModel) -> None:
+    """Each decoder layer's q/k/v projections made row blocks of one weight (and bias), and its gate/up projections
+    of another, with the modules' own parameters turned into views of them: `target_qkv` and `target_mlp` then run
+    one matmul where there were three and two (three fewer kernels a layer in a step that is bound by their number
+    on a small target), the transformers forward runs as before, and no weight is stored twice. Idempotent; a
+    layer whose projections differ in bias or dtype keeps its separate matmuls."""
+    for layer in target.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if not hasattr(attn, "fused_qkv_weight"):
+            _fuse_rows(attn, "fused_qkv", [attn.q_proj, attn.k_proj, attn.v_proj])
+        if not hasattr(mlp, "fused_gate_up_weight"):
+            _fuse_rows(mlp, "fused_gate_up", [mlp.gate_proj, mlp.up_proj])
+
+
+def _fuse_rows(owner: torch.nn.Module, name: str, linears: list[torch.nn.Module]) -> None:
+    """`linears`' weights (and biases) concatenated by rows into buffers `{name}_weight` / `{name}_bias` of `owner`
+    (not saved in its state dict), each linear's parameters made views of its rows."""
+    biases = [getattr(lin, "bias", None) for lin in linears]
+    if len({(lin.weight.dtype, lin.weight.device) for lin in linears}) > 1 or (
+        any(b is None for b in biases) and any(b is not None for b in biases)
+    ):
+        return
+    with torch.no_grad():
+        weight = torch.cat([lin.weight for lin in linears])
+        bias = None if biases[0] is None else torch.cat(biases)
+        row = 0
+        for lin in linears:
+            n = lin.weight.shape[0]
+            lin.weight.data = weight[row : row + n]
+            if bias is not None:
+                lin.bias.data = bias[row : row + n]
+            row += n
+    owner.register_buffer(f"{name}_weight", weight, persistent=False)
+    owner.register_buffer(f"{name}_bias", bias, persistent=False)
+
+
 def target_qkv(
     layer: torch.nn.Module, h: torch.Tensor, n_heads: int, n_kv: int, head_dim: int, cos: torch.Tensor,
     sin: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """One HF decoder layer's attention inputs: h [b, q, H] → q [b, heads, q, hd], k and v [b, kv, q, hd],
     RoPE applied (cos/sin_signed [b, 1, q, hd], `rope_tables`); Qwen3's per-head QK-norm before RoPE,
-    biases inside the projections."""
+    biases inside the projections. One matmul for all three after `fuse_projections`."""
     attn = layer.self_attn
     b, q_len, _ = h.shape
     x = rms_norm(layer.input_layernorm, h)
-    q = attn.q_proj(x).view(b, q_len, n_heads, head_dim)  # [b, q, heads, hd]
-    k = attn.k_proj(x).view(b, q_len, n_kv, head_dim)
-    v = attn.v_proj(x).view(b, q_len, n_kv, head_dim)
+    fused = getattr(attn, "fused_qkv_weight", None)
+    if fused is not None:
+        q, k, v = F.linear(x, fused, attn.fused_qkv_bias).split(
+            [n_heads * head_dim, n_kv * head_dim, n_kv * head_dim], dim=-1
+        )
+    else:
+        q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+    q = q.view(b, q_len, n_heads, head_dim)  # [b, q, heads, hd]
+    k = k.view(b, q_len, n_kv, head_dim)
+    v = v.view(b, q_len, n_kv, head_dim)
     if hasattr(attn, "q_norm"):  # Qwen3 QK-norm, per head, before RoPE
         q, k = rms_norm(attn.q_norm, q), rms_norm(attn.k_norm, k)
     q, k = _rope_qk(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # [b, heads|kv, q, hd]
     return q, k, v.transpose(1, 2)
+
+
+def target_mlp(layer: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
+    """One HF decoder layer's SwiGLU block on its residual stream h (its post-attention norm first), without the
+    residual add: down(silu(gate(x)) · up(x)); gate and up as one matmul after `fuse_projections`."""
+    mlp = layer.mlp
+    x = rms_norm(layer.post_attention_layernorm, h)
+    fused = getattr(mlp, "fused_gate_up_weight", None)
+    if fused is None:
+        return mlp(x)
+    gate, up = F.linear(x, fused, mlp.fused_gate_up_bias).chunk(2, dim=-1)
+    return mlp.down_proj(F.silu(gate) * up)
 
 
 def _attend(
@@ -173,6 +228,7 @@ class NativeTarget:
         why = native_support_error(target)
         if why is not None:
             raise ValueError(f"native target forward: {why}")
+        fuse_projections(target)  # q/k/v and gate/up: one matmul each
         self.target = target
         self.n_heads, self.n_kv, self.head_dim = attention_geometry(target)
         self.capacity = capacity
@@ -265,7 +321,7 @@ class NativeTarget:
             o = _attend(q, self.cache[i, 0][None], self.cache[i, 1][None], mask, attn.scaling)
             o = o.transpose(1, 2).reshape(1, q_len, self.n_heads * self.head_dim)  # [1, q, heads·hd]
             h = h + attn.o_proj(o)
-            h = h + layer.mlp(rms_norm(layer.post_attention_layernorm, h))
+            h = h + target_mlp(layer, h)
             if i in layer_ids:
                 captured[i] = h
         feats = None
@@ -402,7 +458,7 @@ class NativeDrafter:
             o = _attend(q, self.cache[i, 0][None], self.cache[i, 1][None], mask, 1.0 / self.head_dim**0.5)
             o = o.transpose(1, 2).reshape(1, b_len, self.n_heads * self.head_dim)  # [1, B, heads·hd]
             h = h + attn.o_proj(o)
-            h = h + layer.mlp(rms_norm(layer.post_attention_layernorm, h))
+            h = h + target_mlp(layer, h)
         return self.lm_head(rms_norm(d.norm, h).to(self.lm_head.weight.dtype))[
             0
         ]  # [B, V] in the target's dtype

@@ -21,9 +21,11 @@ import torch.nn.functional as F
 
 from flashdraft.decode.native import (
     attention_geometry,
+    fuse_projections,
     native_support_error,
     rms_norm,
     rope_tables,
+    target_mlp,
     target_qkv,
 )
 
@@ -81,6 +83,7 @@ class PackedTargetPass:
         why = native_support_error(target)
         if why is not None:
             raise ValueError(f"runtime.feature_pass=native: {why}; set runtime.feature_pass=hf")
+        fuse_projections(target)  # q/k/v and gate/up: one matmul each
         if attention == "auto":
             attention = "flex" if target.device.type == "cuda" else "dense"
         if attention not in ("flex", "dense"):
@@ -143,7 +146,7 @@ class PackedTargetPass:
             )  # [R, heads|kv, S, hd]
             o = self._attend(q, k, v, mask, attn.scaling)  # [R, heads, S, hd]
             h = h + attn.o_proj(o.transpose(1, 2).reshape(r, s, self.n_heads * self.head_dim))
-            h = h + layer.mlp(rms_norm(layer.post_attention_layernorm, h))
+            h = h + target_mlp(layer, h)
             if i in layer_ids:
                 captured[i] = h
         last = len(self.layers) - 1

@@ -53,6 +53,47 @@ def test_native_target_matches_hf(family):
     torch.testing.assert_close(out.features, ref.features[0, 11:], rtol=0, atol=1e-10)
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_projections_are_views_of_one_weight_and_change_no_output(family, bias):
+    """`fuse_projections`: q/k/v (and gate/up) become row views of one buffer each, not saved in the state dict,
+    so nothing is stored twice; the transformers forward gives the same logits bit for bit, the fused matmuls the
+    separate ones' results (float64); a second call changes nothing. With biases (Qwen2-style, Llama's
+    attention_bias / mlp_bias) too."""
+    from flashdraft.decode.native import fuse_projections, target_mlp, target_qkv
+
+    target = tiny_target(family, layers=2)
+    if bias:
+        for layer in target.layers:
+            for lin in (*[getattr(layer.self_attn, n) for n in ("q_proj", "k_proj", "v_proj")],
+                        layer.mlp.gate_proj, layer.mlp.up_proj):  # fmt: skip
+                lin.bias = torch.nn.Parameter(torch.randn(lin.out_features, dtype=torch.float64))
+    ids = torch.randint(3, target.vocab_size, (1, 9), generator=torch.Generator().manual_seed(0))
+    before = target.forward(ids).logits
+    keys = set(target.model.state_dict())
+    h = torch.randn(1, 9, target.hidden_size, dtype=torch.float64)
+    geometry = (4, 2, target.hidden_size // 4)
+    pos = torch.arange(9)[None]
+    cos, sin = target.model.model.rotary_emb(h, pos)
+    cos, sin = cos[:, None], sin[:, None]
+    layer = target.layers[1]
+    separate = (*target_qkv(layer, h, *geometry, cos, sin), target_mlp(layer, h))
+    fuse_projections(target)
+    attn, mlp = layer.self_attn, layer.mlp
+    assert (
+        attn.q_proj.weight.untyped_storage().data_ptr() == attn.fused_qkv_weight.untyped_storage().data_ptr()
+    )
+    assert mlp.up_proj.weight.data_ptr() == mlp.fused_gate_up_weight[mlp.gate_proj.out_features :].data_ptr()
+    assert (attn.fused_qkv_bias is not None) == bias
+    assert set(target.model.state_dict()) == keys
+    assert torch.equal(target.forward(ids).logits, before)
+    fused = (*target_qkv(layer, h, *geometry, cos, sin), target_mlp(layer, h))
+    for a, b in zip(fused, separate, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+    buffer = attn.fused_qkv_weight
+    fuse_projections(target)
+    assert attn.fused_qkv_weight is buffer
+
+
 def test_native_target_tree_mask_and_rows(family):
     """Rows written out of order with a non-causal mask: each query sees exactly the rows it may."""
     target = tiny_target(family, layers=3, seed=4)

@@ -73,7 +73,7 @@ def test_only_the_layers_up_to_the_deepest_requested_one_run(monkeypatch):
     tb = packed_rows()
     calls: list[str] = []
     for i, layer in enumerate(t.layers):  # every layer's MLP runs once per forward
-        layer.mlp.register_forward_pre_hook(lambda *_, i=i: calls.append(f"layer{i}"))
+        layer.mlp.down_proj.register_forward_pre_hook(lambda *_, i=i: calls.append(f"layer{i}"))
     real_norm = tp.rms_norm
 
     def spy(norm, x):  # noqa: ANN001, ANN202
