@@ -275,8 +275,11 @@ def test_forward_speed_smoke_on_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     argv = ["random-tiny", "--device", "cpu", "--block", "4", "--drafter-layers", "1", "--budget", "3",
             "--prompts", "2", "--max-new-tokens", "10", "--reps", "2", "--out", str(out)]  # fmt: skip
     res = bench.main(argv)
-    assert json.loads(out.read_text())["variants"].keys() == {"eager", "compiled"}
-    for v in ("eager", "compiled"):
+    assert json.loads(out.read_text())["variants"].keys() == {"eager", "compiled", "compiled-separate"}
+    from flashdraft.decode.native import fuse_projections
+
+    assert bench.native_forward.fuse_projections is fuse_projections  # patched out for its engine only
+    for v in ("eager", "compiled", "compiled-separate"):
         ph = res["variants"][v]["phases"]
         assert all(
             ph[k] > 0
@@ -286,7 +289,7 @@ def test_forward_speed_smoke_on_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPa
         assert res["variants"][v]["rounds"]["chain"]["round_ms"]["verify"] > 0
     cmp = res["compiled_vs_eager"]
     assert cmp["ar_identical_sequences"] == cmp["of"] == 2
-    for v in ("eager", "compiled"):  # the same graphs at the same state: the same tokens, whatever ran before
+    for v in ("eager", "compiled", "compiled-separate"):  # the same graphs at the same state: the same tokens
         assert all(res["variants"][v]["stale_rows_identical"].values())
         for row in res["variants"][v]["rounds"].values():
             assert row["rerun_vs_timed"]["identical"] == row["profiled_vs_timed"]["identical"] == 2

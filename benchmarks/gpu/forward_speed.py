@@ -4,9 +4,10 @@
         --dataset humaneval:$STAGE/HumanEval.jsonl.gz --out $OUT/forward_speed.json
     python benchmarks/gpu/forward_speed.py random-tiny --device cpu --block 4 --budget 3 --out f.json   # smoke run
 
-Two engines over the same target and drafter (bf16 on CUDA), the same capacity and the same DDTree phase (the
-engine's default: compiled with CUDA graphs); one runs the target's forward eagerly inside its phase graphs,
-the other through torch.compile (inductor, default mode) captured inside them. For each:
+Engines over the same target and drafter (bf16 on CUDA), the same capacity and the same DDTree phase (the
+engine's default: compiled with CUDA graphs); `eager` runs the target's forward eagerly inside its phase graphs,
+`compiled` through torch.compile (inductor, default mode) captured inside them, and `compiled-separate` the same
+with q/k/v and gate/up as separate matmuls (before `fuse_projections`: what one matmul each saves). For each:
 - the phases' cost by graph replay at a real state after a prefill (median of `--reps`, CUDA events): the AR step
   (inputs + forward q = 1 + token choice + commit), the chain's verify (q = B, 16 for the shipped drafter) and
   its ratio to the AR step, the DDTree phase at `--budget`, the verify at budget + 1, the drafter step; and the
@@ -34,8 +35,10 @@ import os
 import statistics
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
+from unittest.mock import patch
 
 import torch
 
@@ -45,11 +48,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: ran
 
 from phase_timing import median_ms  # noqa: E402  (beside this file)
 
+import flashdraft.decode.native as native_forward  # noqa: E402
 from flashdraft.decode.engine import FastEngine  # noqa: E402
 from flashdraft.drafter import DFlashDrafter  # noqa: E402
 from flashdraft.target import TargetModel, drafter_config_for, load_target  # noqa: E402
 
-VARIANTS = ("eager", "compiled")
+# compiled-separate: the compiled forward with q/k/v and gate/up as separate matmuls, as before `fuse_projections`
+# (run last: it drops the fused buffers, whose storage the other engines' graphs still read through the weights)
+VARIANTS = ("eager", "compiled", "compiled-separate")
 
 
 def log(msg: str) -> None:
@@ -343,13 +349,27 @@ def agreement_cell(a: dict[str, Any]) -> str:
     return cell
 
 
+def separate_projections(target: TargetModel) -> None:
+    """Undo `fuse_projections`: its buffers dropped (the weights stay views of their storage), so forwards built
+    from now on, with its call patched out, run q/k/v and gate/up as separate matmuls."""
+    for layer in target.layers:
+        for module, name in ((layer.self_attn, "fused_qkv"), (layer.mlp, "fused_gate_up")):
+            for suffix in ("_weight", "_bias"):
+                module._buffers.pop(name + suffix, None)
+
+
 def measure_variant(
     v: str, target: TargetModel, drafter: DFlashDrafter, prompts: list[list[int]], max_len: int,
     args: argparse.Namespace, row: dict[str, Any], results: dict[str, Any],
 ) -> FastEngine:  # fmt: skip
-    """One engine (`v`: eager or compiled target): setup (compilation + capture), phase costs, rounds."""
+    """One engine (`v`: eager or compiled target, fused projections or separate): setup (compilation + capture),
+    phase costs, rounds."""
     t0 = time.perf_counter()
-    eng = FastEngine(target, drafter, max_len=max_len, max_budget=args.budget, compile_target=v == "compiled")
+    separate = v.endswith("-separate")
+    if separate:
+        separate_projections(target)
+    with patch.object(native_forward, "fuse_projections", lambda target: None) if separate else nullcontext():
+        eng = FastEngine(target, drafter, max_len=max_len, max_budget=args.budget, compile_target=v != "eager")
     results["capacity"] = eng.capacity
     for method, b in [("ar", None), ("chain", None), ("ddtree", args.budget)]:
         t1 = time.perf_counter()
@@ -435,7 +455,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             row["error"] = f"{type(e).__name__}: {e}"[:800]
             log(f"{v}: FAILED {row['error']}")
             save(results, args.out)
-    if len(engines) == 2:
+    if "eager" in engines and "compiled" in engines:
         eager, comp = engines["eager"], engines["compiled"]
         ar_e, ar_c = (
             results["variants"]["eager"]["rounds"]["ar"],
