@@ -307,11 +307,10 @@ def test_regen_step_smoke_on_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     import random_targets  # benchmarks/, on the path the script put it
 
     import flashdraft.data.native as native
-    from tests.data.test_generate import _varlen_reference
 
     monkeypatch.setitem(random_targets.SHAPES["random-tiny"], "num_hidden_layers", 2)
     monkeypatch.setattr(native, "varlen_support_error", lambda *a: None)  # the flash kernel by its definition
-    monkeypatch.setattr(native, "varlen_attention", _varlen_reference)
+    monkeypatch.setattr(native, "varlen_attention", native.varlen_reference)
     out = tmp_path / "regen_step.json"
     argv = ["random-tiny", "--device", "cpu", "--rows", "3", "--spans", "256", "--reps", "1", "--prompts", "4",
             "--max-prompt", "140", "--new", "5", "--out", str(out)]  # fmt: skip

@@ -333,10 +333,27 @@ def decode_attention(target: TargetModel, attention: str) -> str:
     return "sdpa" if why_not else "varlen"
 
 
+def varlen_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int,
+    max_k: int, scale: float, used_k: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
+    """What `varlen_attention` computes, one sequence at a time in the inputs' dtype (any device), and the packing
+    its kernel needs checked: ValueError where a sequence's queries exceed max_q or its used keys leave its own
+    slice of k or exceed max_k."""
+    out = torch.empty_like(q)
+    for b in range(len(cu_q) - 1):
+        q0, q1, k0, n = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(used_k[b])
+        if not (1 <= n <= min(max_k, int(cu_k[b + 1]) - k0) and q1 - q0 <= max_q):
+            raise ValueError(f"sequence {b}: {q1 - q0} queries, {n} of keys [{k0}, {int(cu_k[b + 1])})")
+        w = torch.einsum("qhd,khd->hqk", q[q0:q1], k[k0 : k0 + n]) * scale
+        out[q0:q1] = torch.einsum("hqk,khd->qhd", w.softmax(-1), v[k0 : k0 + n])
+    return out
+
+
 @cache
 def varlen_support_error(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
-    """Why `varlen_attention` cannot run here (None: it can): the checks, then one tiny call (this torch's flash
-    kernel may lack `seqused_k`)."""
+    """Why `varlen_attention` cannot serve the decode step here (None: it can): the kernel's requirements, then
+    `varlen_probe_error` (this torch's flash kernel may lack `seqused_k`, or read past it)."""
     if device.type != "cuda":
         return f"needs CUDA (device {device.type})"
     if dtype not in (torch.float16, torch.bfloat16):
@@ -345,12 +362,33 @@ def varlen_support_error(device: torch.device, dtype: torch.dtype, head_dim: int
         return f"head_dim {head_dim}: flash attention takes multiples of 8 up to 256"
     if torch.cuda.get_device_capability(device) < (8, 0):
         return "flash attention needs compute capability 8.0 or newer"
+    return varlen_probe_error(device, dtype, head_dim)
+
+
+def varlen_probe_error(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+    """`varlen_attention` run as the decode step runs it (three query heads per kv head in the query slot, rows of
+    1, 9 and 24 used columns, every column past a row's count set to 50 so that reading one shows) against
+    `varlen_reference` in float32: a message if it fails or differs by more than 0.05, else None."""
+    rows, cap, n_kv, rep, scale = 3, 24, 2, 3, head_dim**-0.5
+    g = torch.Generator().manual_seed(0)
+    used = torch.tensor([1, 9, 24], dtype=torch.int32)
+    q = torch.randn(rows * rep, n_kv, head_dim, generator=g)
+    k, v = torch.randn(2, rows, cap, n_kv, head_dim, generator=g)
+    stale = torch.arange(cap)[None] >= used[:, None]  # [rows, cap]
+    k[stale], v[stale] = 50.0, 50.0
+    cu_q = torch.arange(0, (rows + 1) * rep, rep, dtype=torch.int32)
+    cu_k = torch.arange(0, (rows + 1) * cap, cap, dtype=torch.int32)
+    k, v = k.view(rows * cap, n_kv, head_dim), v.view(rows * cap, n_kv, head_dim)
+    ref = varlen_reference(q, k, v, cu_q, cu_k, rep, cap, scale, used)
+    on = [x.to(device) for x in (cu_q, cu_k, used)]
     try:
-        x = torch.zeros(4, 1, head_dim, dtype=dtype, device=device)
-        cu = torch.tensor([0, 2, 4], dtype=torch.int32, device=device)
-        varlen_attention(x, x, x, cu, cu, 2, 2, 1.0, torch.tensor([1, 2], dtype=torch.int32, device=device))
+        out = varlen_attention(q.to(device, dtype), k.to(device, dtype), v.to(device, dtype), on[0], on[1], rep, cap,
+                               scale, on[2])  # fmt: skip
     except (RuntimeError, TypeError, NotImplementedError) as e:
         return f"this torch's flash attention failed: {str(e).splitlines()[0][:200]}"
+    err = float((out.float().cpu() - ref).abs().max())
+    if not err <= 0.05:
+        return f"flash attention with per-row key counts differs from its definition here (max |Δ| {err:.3g})"
     return None
 
 

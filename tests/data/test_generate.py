@@ -106,27 +106,15 @@ def test_native_continuous_batching_matches_unbatched_greedy(family):
     assert [g.ids for g in gen.generate(prompts, seed=0)] == ref
 
 
-def _varlen_reference(q, k, v, cu_q, cu_k, max_q, max_k, scale, used_k):
-    """What `varlen_attention` (flash attention over packed sequences) computes, one sequence at a time, with the
-    checks its kernel would need to hold: each sequence's used keys inside its own slice, within max_k."""
-    out = torch.full_like(q, float("nan"))
-    for b in range(len(cu_q) - 1):
-        q0, q1, k0, n = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(used_k[b])
-        assert 1 <= n <= min(max_k, int(cu_k[b + 1]) - k0) and q1 - q0 <= max_q
-        w = torch.einsum("qhd,khd->hqk", q[q0:q1], k[k0 : k0 + n]) * scale
-        out[q0:q1] = torch.einsum("hqk,khd->qhd", w.softmax(-1), v[k0 : k0 + n])
-    return out
-
-
 def test_native_varlen_attention_matches_unbatched_greedy(family, monkeypatch):
     """The decode step with `attention="varlen"` (each row reads only its own cache columns through the packed
     cache) gives unbatched greedy decoding's ids, refills and follow-ups included; the flash kernel is replaced by
-    its definition (`_varlen_reference`), which checks the packing."""
+    its definition (`varlen_reference`), which checks the packing."""
     import flashdraft.data.native as native
 
     calls = []
     monkeypatch.setattr(native, "varlen_support_error", lambda *a: None)
-    monkeypatch.setattr(native, "varlen_attention", lambda *a: calls.append(1) or _varlen_reference(*a))
+    monkeypatch.setattr(native, "varlen_attention", lambda *a: calls.append(1) or native.varlen_reference(*a))
     target = tiny_target(family)
     prompts = _prompts(97, [5, 12, 1, 9, 3, 17, 7], seed=3)
     stop = [_reference_greedy(target, prompts[1], 10, [])[4]]
@@ -146,6 +134,30 @@ def test_native_varlen_attention_matches_unbatched_greedy(family, monkeypatch):
     everything = prompts + asked
     assert [g.ids for g in got] == [_reference_greedy(target, p, 10, stop) for p in everything]
     assert calls
+
+
+def test_varlen_probe_catches_a_kernel_that_reads_past_each_rows_keys(monkeypatch):
+    """The probe that admits the flash varlen kernel: its definition passes; a kernel that ignores the per-row key
+    counts (reads every column of its slice), or fails, is refused with the reason."""
+    import flashdraft.data.native as native
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(native, "varlen_attention", native.varlen_reference)
+    assert native.varlen_probe_error(cpu, torch.float32, 16) is None
+
+    def all_columns(q, k, v, cu_q, cu_k, max_q, max_k, scale, used_k):
+        return native.varlen_reference(q, k, v, cu_q, cu_k, max_q, max_k, scale, cu_k[1:] - cu_k[:-1])
+
+    monkeypatch.setattr(native, "varlen_attention", all_columns)
+    assert "differs from its definition" in native.varlen_probe_error(cpu, torch.float32, 16)
+
+    def fails(*a):
+        raise RuntimeError("seqused_k is not supported\nmore")
+
+    monkeypatch.setattr(native, "varlen_attention", fails)
+    assert native.varlen_probe_error(cpu, torch.float32, 16) == (
+        "this torch's flash attention failed: seqused_k is not supported"
+    )
 
 
 def test_native_attention_choice():
