@@ -73,6 +73,7 @@ def test_dry_run_commands_parse_with_the_cli(capsys: pytest.CaptureFixture[str])
     assert regen["time_limit"] == 3.0 and regen["device"] == "cuda" and regen["engine"] == "native"
     assert regen["max_batch_tokens"] == 2_500_000 and regen["shard_size"] == 256 and regen["skip"] == 0
     assert regen["continue_from"] == [] and regen["limit"] is None
+    assert regen["attention"] == "auto"  # varlen where its probe passes; --attention sdpa to pin the old step
     merge = _parse(cmd["merge"])
     assert merge["inputs"] == ["/c/prev", "/w/new"] and merge["out"] == "/w/data"
     assert merge["contamination"] == [f"humaneval:{HE}"]
