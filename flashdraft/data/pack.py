@@ -36,6 +36,7 @@ from flashdraft.data.dataset import (
     _write_parquet,
     loss_runs,
 )
+from flashdraft.files import atomic_write_bytes
 
 MAGIC = b"flashdraft-pack/1\n"
 
@@ -76,10 +77,7 @@ def pack_dataset(src: str | Path, dst: str | Path, *, overwrite: bool = False) -
     ).encode()
     payload = MAGIC + len(header).to_bytes(8, "little") + header + ids.astype(dtype).tobytes()
     packed = lzma.compress(payload, preset=9 | lzma.PRESET_EXTREME)
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.with_name(f".{dst.name}.tmp-{os.getpid()}")
-    tmp.write_bytes(packed)
-    os.replace(tmp, dst)
+    atomic_write_bytes(dst, packed)
     n = sum(len(sh["samples"]) for shards in splits.values() for sh in shards)
     return {"samples": n, "tokens": int(ids.size), "bytes": len(packed)}
 
