@@ -355,7 +355,8 @@ def separate_projections(target: TargetModel) -> None:
     for layer in target.layers:
         for module, name in ((layer.self_attn, "fused_qkv"), (layer.mlp, "fused_gate_up")):
             for suffix in ("_weight", "_bias"):
-                module._buffers.pop(name + suffix, None)
+                if hasattr(module, name + suffix):
+                    delattr(module, name + suffix)
 
 
 def measure_variant(
@@ -369,7 +370,9 @@ def measure_variant(
     if separate:
         separate_projections(target)
     with patch.object(native_forward, "fuse_projections", lambda target: None) if separate else nullcontext():
-        eng = FastEngine(target, drafter, max_len=max_len, max_budget=args.budget, compile_target=v != "eager")
+        eng = FastEngine(
+            target, drafter, max_len=max_len, max_budget=args.budget, compile_target=v != "eager"
+        )
     results["capacity"] = eng.capacity
     for method, b in [("ar", None), ("chain", None), ("ddtree", args.budget)]:
         t1 = time.perf_counter()

@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 from flashdraft.data.grouped import grouped_generate, grouped_support_error
 from flashdraft.data.loop import Generation, GenerationParams, cut_at_stop, loop_generate, pack_groups
-from flashdraft.data.native import NativeStats, native_generate
+from flashdraft.data.native import NativeStats, check_attention, native_generate
 from flashdraft.target import TargetModel
 
 log = logging.getLogger("flashdraft.data")
@@ -72,8 +72,7 @@ class LocalGenerator:
             )
         if engine not in ("native", "loop"):
             raise ValueError(f"unknown engine {engine!r}: use 'native' or 'loop'")
-        if attention not in ("auto", "sdpa", "varlen"):
-            raise ValueError(f"attention {attention!r}: use auto, sdpa or varlen")
+        check_attention(attention)  # before any prompt: the loop engine never reaches the native one's check
         self.target, self.params, self.engine = target, params, engine
         self.batch_size, self.max_batch_tokens = batch_size, max_batch_tokens
         self.attention = attention  # native engine: the decode step's (`BatchedNativeTarget`)

@@ -319,12 +319,17 @@ def varlen_attention(
     )[0]
 
 
+def check_attention(attention: str) -> None:
+    """ValueError (one line) unless `attention` names a decode-step attention: auto, sdpa or varlen."""
+    if attention not in ("auto", "sdpa", "varlen"):
+        raise ValueError(f"attention {attention!r}: use auto, sdpa or varlen")
+
+
 def decode_attention(target: TargetModel, attention: str) -> str:
     """The decode step's attention for `attention` ("auto", "sdpa" or "varlen") on this target's device and dtype:
     auto is varlen where it runs, else sdpa. ValueError (one line) for a name it does not know or varlen where it
     cannot run."""
-    if attention not in ("auto", "sdpa", "varlen"):
-        raise ValueError(f"attention {attention!r}: use auto, sdpa or varlen")
+    check_attention(attention)
     if attention == "sdpa":
         return attention
     why_not = varlen_support_error(target.device, target.dtype, attention_geometry(target)[2])
