@@ -14,6 +14,8 @@ target's chat template, prompts longer than --max-prompt-tokens skipped), greedy
 all in one run (after a small warm-up batch per method):
 - `flashdraft-native`: the regenerator's default GPU engine: continuous batching over a static KV cache
   on the target's own layers (`--batch-size` rows decode together, finished rows are refilled);
+  (`flashdraft-native-sdpa` / `flashdraft-native-varlen`: its decode step's attention pinned, `--attention`;
+  the plain name takes `auto`, varlen where its probe passes);
 - `flashdraft-loop`: the regenerator's batched loop over TargetModel (length-sorted batches, left
   padding, one host sync every 8 steps);
 - `transformers-generate`: plain `model.generate` (default dynamic cache) on the same prompts in
@@ -41,6 +43,8 @@ from flashdraft.data.generate import GenerationParams, LocalGenerator, cut_at_st
 from flashdraft.data.sources import load_conversations  # noqa: E402
 from flashdraft.data.template import ChatTemplate, stop_token_ids  # noqa: E402
 from flashdraft.target import load_target  # noqa: E402
+
+NATIVE_ATTENTION = ("flashdraft-native-sdpa", "flashdraft-native-varlen")  # the native engine, attention pinned
 
 
 def _sync(dev: torch.device) -> None:
@@ -108,9 +112,10 @@ def main() -> None:
     results: dict[str, dict[str, Any]] = {}
     outputs: dict[str, list[list[int]]] = {}
     for method in args.methods.split(","):
-        if method in ("flashdraft-native", "flashdraft-loop"):
-            gen = LocalGenerator(target, params, engine=method.split("-")[1], batch_size=args.batch_size,
-                                 max_batch_tokens=args.max_batch_tokens)  # fmt: skip
+        if method in ("flashdraft-native", "flashdraft-loop", *NATIVE_ATTENTION):
+            engine, _, attention = method.removeprefix("flashdraft-").partition("-")
+            gen = LocalGenerator(target, params, engine=engine, batch_size=args.batch_size,
+                                 max_batch_tokens=args.max_batch_tokens, attention=attention or "auto")  # fmt: skip
             run = lambda ps, g=gen: [x.ids for x in g.generate(ps, seed=0)]  # noqa: E731
         elif method == "transformers-generate":
             run = lambda ps: plain_generate(target, ps, params, args.batch_size)  # noqa: E731
