@@ -44,7 +44,8 @@ from flashdraft.data.sources import load_conversations  # noqa: E402
 from flashdraft.data.template import ChatTemplate, stop_token_ids  # noqa: E402
 from flashdraft.target import load_target  # noqa: E402
 
-NATIVE_ATTENTION = ("flashdraft-native-sdpa", "flashdraft-native-varlen")  # the native engine, attention pinned
+# the native engine with its decode attention pinned
+NATIVE_ATTENTION = ("flashdraft-native-sdpa", "flashdraft-native-varlen")
 
 
 def _sync(dev: torch.device) -> None:
