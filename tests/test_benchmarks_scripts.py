@@ -322,10 +322,18 @@ def test_regen_step_smoke_on_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     assert [r["attention"] for r in res["generate"]] == ["sdpa", "varlen"]
     assert res["generate"][1]["same_ids_as_sdpa"] == 4 and res["generate"][0]["tokens"] == 20
     assert res["pick"] in ("sdpa", "varlen")
-    fast = {"steps": [{"variant": "varlen", "argmax_agree": 1.0}], "generate": [
+    fast = {"steps": [{"span": 8, "variant": "varlen", "argmax_agree": 1.0}], "generate": [
         {"attention": "sdpa", "tok_s": 100}, {"attention": "varlen", "tok_s": 106}]}  # fmt: skip
     assert bench.pick(fast) == "varlen"
-    assert bench.pick({**fast, "steps": [{"variant": "varlen", "argmax_agree": 0.9}]}) == "sdpa"
+    assert bench.pick({**fast, "steps": [{"span": 8, "variant": "varlen", "argmax_agree": 0.9}]}) == "sdpa"
+    # the bar is how often SDPA's own exact kernels agree with it (bf16 near-ties), less one point, per span
+    exact = [{"span": 8, "variant": "sdpa:efficient", "argmax_agree": 0.92},
+             {"span": 8, "variant": "sdpa:math", "argmax_agree": 0.915}]  # fmt: skip
+    varlen = lambda agree: {"span": 8, "variant": "varlen", "argmax_agree": agree}  # noqa: E731
+    assert bench.pick({**fast, "steps": [*exact, varlen(0.91)]}) == "varlen"
+    assert bench.pick({**fast, "steps": [*exact, varlen(0.90)]}) == "sdpa"
+    other_span = {"span": 16, "variant": "varlen", "argmax_agree": 0.91}  # no exact kernel there: 99% holds
+    assert bench.pick({**fast, "steps": [*exact, fast["steps"][0], other_span]}) == "sdpa"
     fast["generate"][1]["tok_s"] = 104  # under 5% faster: not worth a change
     assert bench.pick(fast) == "sdpa"
     with pytest.raises(SystemExit, match="--overwrite"):

@@ -232,18 +232,31 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out["pick"] = pick(out)
     save()
     log(
-        f"pick: {out['pick']} (end to end fastest of the attentions whose step argmax agreed with sdpa's on >= 99%)"
+        f"pick: {out['pick']} (end to end fastest of the attentions whose step argmax agreed with sdpa's as often as "
+        "SDPA's other exact kernels did, less one point)"
     )
     log(f"wrote {args.out}")
     return out
 
 
+# SDPA's other exact kernels: bf16 rounding alone sets them apart from its own choice
+EXACT_KERNELS = ("sdpa:efficient", "sdpa:math")
+
+
 def pick(out: dict[str, Any]) -> str:
     """The attention for regeneration: the fastest end to end (by 5% at least, else sdpa) among those whose step
-    logits chose sdpa's token for >= 99% of the rows at every span measured."""
+    logits chose sdpa's token as often as SDPA's own other exact kernels do, less one point, at every span
+    measured (random weights in bf16 leave many rows at near-ties, so even two exact kernels disagree on ~8% of
+    them: H100, 2026-12-07); 99% where no other kernel ran."""
+
+    def floor(span: int) -> float:
+        exact = [r["argmax_agree"] for r in out["steps"]
+                 if r["span"] == span and r["variant"] in EXACT_KERNELS and "argmax_agree" in r]  # fmt: skip
+        return min(exact) - 0.01 if exact else 0.99
+
     ok = {"sdpa"} | {
         a for a in ("varlen", "flex")
-        if all(r.get("argmax_agree", 0) >= 0.99 for r in out["steps"] if r["variant"] == a)
+        if all(r.get("argmax_agree", 0) >= floor(r["span"]) for r in out["steps"] if r["variant"] == a)
         and any(r["variant"] == a for r in out["steps"])
     }  # fmt: skip
     rate = {r["attention"]: r["tok_s"] for r in out["generate"] if r["attention"] in ok}
