@@ -21,7 +21,9 @@ all in one run (after a small warm-up batch per method):
 - `transformers-generate`: plain `model.generate` (default dynamic cache) on the same prompts in
   the given order, same batch size, left padded, stopping at the same stop ids.
 Generated tokens are counted up to and including the stop token. Prints a table and writes JSON
-(per-method tokens, seconds, tokens/s, peak GPU memory, and token agreement with plain generate).
+(per-method tokens, seconds, tokens/s, peak GPU memory, and token agreement with plain generate; where a method's
+outputs differ from generate's, the target's float32 top-2 logit margin at the first difference, `--margins` of
+them: whether they differ at near-ties only).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from flashdraft.data.generate import GenerationParams, LocalGenerator, cut_at_stop  # noqa: E402
 from flashdraft.data.sources import load_conversations  # noqa: E402
 from flashdraft.data.template import ChatTemplate, stop_token_ids  # noqa: E402
+from flashdraft.decode.divergence import find_divergence  # noqa: E402
 from flashdraft.target import load_target  # noqa: E402
 
 # the native engine with its decode attention pinned
@@ -51,6 +54,26 @@ NATIVE_ATTENTION = ("flashdraft-native-sdpa", "flashdraft-native-varlen")
 def _sync(dev: torch.device) -> None:
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
+
+
+def divergence_margins(
+    target: Any, prompts: list[list[int]], outs: list[list[int]], ref: list[list[int]], limit: int
+) -> dict[str, Any]:
+    """Where `outs` first departs from `ref` (generate's), the top-2 logit margin of `target` (float32, teacher-forced
+    on the prompt and the shared prefix) there, for at most `limit` of the differing outputs: near-ties (small
+    margins) are rounding, a large margin would be a bug. Outputs where one is a prefix of the other (a stop) do not
+    differ here."""
+    margins = []
+    for p, a, b in zip(prompts, outs, ref, strict=True):
+        if len(margins) == limit:
+            break
+        d = find_divergence(target, p, b, a)
+        if d is not None:
+            margins.append(d.top2_margin)
+    m = sorted(margins)
+    q = lambda f: round(m[min(len(m) - 1, int(f * len(m)))], 4) if m else None  # noqa: E731
+    return {"checked": len(m), "median": q(0.5), "p90": q(0.9), "max": q(1.0),
+            "under_0.25": sum(x < 0.25 for x in m), "under_1": sum(x < 1.0 for x in m)}  # fmt: skip
 
 
 def plain_generate(
@@ -90,6 +113,9 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--max-prompt-tokens", type=int, default=512)
     ap.add_argument("--methods", default="flashdraft-native,transformers-generate")
+    ap.add_argument("--margins", type=int, default=128,
+                    help="per method, the float32 target's top-2 margin where this many outputs first differ from "
+                    "generate's (0: none)")  # fmt: skip
     ap.add_argument("--out", default=None, help="JSON file to write")
     args = ap.parse_args()
 
@@ -149,6 +175,19 @@ def main() -> None:
             results[m]["tokens_before_first_divergence_frac"] = round(
                 sum(prefix) / max(1, sum(len(b) for b in ref)), 4
             )
+        differ = [
+            m
+            for m in outputs
+            if m != "transformers-generate" and results[m]["identical_to_generate"] < len(ref)
+        ]
+        if args.margins and differ:
+            exact = load_target(args.target, dtype="float32", device=args.device)  # the same weights, float32
+            for m in differ:
+                results[m]["first_divergence_margins"] = divergence_margins(
+                    exact, prompts, outputs[m], ref, args.margins
+                )
+                print(f"{m}: float32 top-2 margin where outputs first differ from generate's: "
+                      f"{results[m]['first_divergence_margins']}", flush=True)  # fmt: skip
 
     meta = {
         "target": target.name, "device": str(dev), "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else None,

@@ -487,3 +487,29 @@ def test_call7_with_reuse_passes_each_yardstick_its_earlier_report(tmp_path: Pat
     calls = run_script(tmp_path, "call7_stint_eval.sh", NEW="new-drafter", REUSE=str(folder))
     evals = [parse_cli(c[2:]) for c in calls if c[:3] == [*FD, "eval"]]
     assert [e["reuse"] for e in evals] == [[str(folder / "humaneval-164" / "report.json")], [], []]
+
+
+def test_regen_throughput_margins_at_first_differences(monkeypatch: pytest.MonkeyPatch) -> None:
+    """regen_throughput.py's near-tie report: the target's top-2 margin where an output first departs from
+    generate's (teacher-forced on the prompt and the shared prefix), outputs equal or only cut shorter skipped, at
+    most `limit` of them."""
+    import torch
+
+    from tests.conftest import tiny_target
+
+    bench = _load_script(REPO / "benchmarks" / "regen_throughput.py", monkeypatch)
+    target = tiny_target("llama", layers=2, seed=3)
+    prompts = [[5, 7, 9], [11, 2], [4, 4, 4, 8]]
+    ref = [[3, 6, 1, 2], [8, 8], [1, 2, 3]]
+    outs = [[3, 6, 5, 2], [8, 8], [1, 2]]  # the first differs at new token 2; the others do not differ
+    res = bench.divergence_margins(target, prompts, outs, ref, limit=8)
+    with torch.no_grad():
+        logits = target.forward(torch.tensor([[5, 7, 9, 3, 6]]), logits="last").logits[0, -1]
+    top2 = logits.float().topk(2).values
+    assert res["checked"] == 1 and res["median"] == res["max"] == round(float(top2[0] - top2[1]), 4)
+    two = bench.divergence_margins(
+        target, prompts * 2, [outs[0], *outs[1:], outs[0], *outs[1:]], ref * 2, limit=1
+    )
+    assert two["checked"] == 1
+    none = bench.divergence_margins(target, prompts, ref, ref, limit=8)
+    assert none == {"checked": 0, "median": None, "p90": None, "max": None, "under_0.25": 0, "under_1": 0}
