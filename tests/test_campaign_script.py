@@ -351,11 +351,33 @@ def test_an_earlier_stint_s_pack_is_unpacked_then_merged(tmp_path: Path) -> None
     folder = work / "prev" / "stint-7-new-data"
     assert _parse(cmd["merge"])["inputs"] == [str(folder), "/p/s6", str(work / "new")]
     (work / "out").mkdir(parents=True)
+    (work / "new").mkdir()
+    (work / "new" / "manifest.json").write_text("{}")  # this stint's regeneration
     st = cs.Stint(cs.parse_args([*argv[:-1], "--out", str(work / "out")]))
     ran: list[list[str]] = []
     st.run = lambda phase, args, timeout_min: ran.append(args) or 0  # type: ignore[method-assign]
     st.merge()
     assert ran == [cmd["merge"]] and _rows(folder) == _rows(tmp_path / "s7")
+
+
+def test_a_stint_that_trains_on_earlier_stints_data_alone(tmp_path: Path) -> None:
+    """--phases merge,train with --prev-data and no regeneration of its own: the merge takes the earlier datasets
+    only (a folder `new` it never made would fail the merge); with nothing to merge it stops with a reason."""
+    work = tmp_path / "w"
+    argv = ["--stint", "11", "--phases", "merge,train", "--prev-data", "/p/s9", "--prev-data", "/p/s10",
+            "--work", str(work)]  # fmt: skip
+    cmd = cs.commands(cs.parse_args([*argv, "--dry-run"]), cs.Budget(0.0, 0.0, 5.0))
+    assert _parse(cmd["merge"])["inputs"] == ["/p/s9", "/p/s10"]
+    (work / "out").mkdir(parents=True)
+    st = cs.Stint(cs.parse_args([*argv, "--out", str(work / "out")]))
+    ran: list[list[str]] = []
+    st.run = lambda phase, args, timeout_min: ran.append(args) or 0  # type: ignore[method-assign]
+    st.merge()
+    assert ran == [cmd["merge"]]
+    bare = cs.Stint(cs.parse_args(["--stint", "12", "--phases", "merge,train", "--work", str(tmp_path / "v"),
+                                   "--out", str(work / "out")]))  # fmt: skip
+    with pytest.raises(cs.StintError, match="nothing to merge"):
+        bare.merge()
 
 
 def test_a_native_feature_pass_that_fails_before_a_checkpoint_trains_again_with_hf(tmp_path: Path) -> None:

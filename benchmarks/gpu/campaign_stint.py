@@ -170,12 +170,11 @@ def prev_dataset(spec: str, work: Path) -> Path:
     return work / "prev" / f"{p.parent.name}-{p.stem}"
 
 
-def merge_args(a: argparse.Namespace, prev: list[Path], new: Path, out: Path) -> list[str]:
+def merge_args(a: argparse.Namespace, sources: list[Path], out: Path) -> list[str]:
     return [
         "data",
         "merge",
-        *map(str, prev),
-        str(new),
+        *map(str, sources),
         "--out",
         str(out),
         "--contamination",
@@ -326,9 +325,13 @@ class Stint:
 
                 unpack_dataset(spec, folder, overwrite=True)
                 self.note(f"unpacked {spec} into {folder}")
-        if not prev:
+        # this stint's own data when it regenerated (a stint may train on earlier stints' data alone)
+        sources = [*prev, *([new] if (new / "manifest.json").is_file() else [])]
+        if not sources:
+            raise StintError("nothing to merge: no regeneration in this stint's folder and no --prev-data")
+        if sources == [new]:
             shutil.copytree(new, self.data, dirs_exist_ok=False)
-        elif self.run("merge", merge_args(self.a, prev, new, self.data), 5.0) != 0:
+        elif self.run("merge", merge_args(self.a, sources, self.data), 5.0) != 0:
             raise StintError("data merge failed: see stint.log")
         self.state["done"].append("merge")
 
@@ -494,7 +497,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--stint", type=int, required=True, help="stint index: picks seed, temperature, turns")
     p.add_argument("--phases", default="regen,merge,train,eval", help="comma-separated, in this order")
     p.add_argument(
-        "--budget-min", type=float, default=9.0, help="minutes this call may use (a device call: at most 10; keep ~1 for start-up)"
+        "--budget-min",
+        type=float,
+        default=9.0,
+        help="minutes this call may use (a device call: at most 10; keep ~1 for start-up)",
     )
     p.add_argument("--regen-min", type=float, default=3.0)
     p.add_argument(
@@ -522,7 +528,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--max-new-tokens", type=int, default=512, help="regeneration cap per answer")
     p.add_argument(
-        "--attention", default="auto", choices=["auto", "sdpa", "varlen"], help="regeneration's decode attention"
+        "--attention",
+        default="auto",
+        choices=["auto", "sdpa", "varlen"],
+        help="regeneration's decode attention",
     )
     p.add_argument(
         "--temperature", type=float, default=None, help="instead of the stint's (0: greedy answers)"
@@ -577,7 +586,8 @@ def commands(a: argparse.Namespace, budget: Budget) -> dict[str, Any]:
     if "regen" in phases and not a.data:
         out["regen"] = regen_args(a, stint_plan(a), work / "new", budget.regen)
     if "merge" in phases and not a.data and a.prev_data:
-        out["merge"] = merge_args(a, [prev_dataset(p, work) for p in a.prev_data], work / "new", data)
+        own = [work / "new"] if "regen" in phases or (work / "new" / "manifest.json").is_file() else []
+        out["merge"] = merge_args(a, [*(prev_dataset(p, work) for p in a.prev_data), *own], data)
     if "train" in phases:
         out["train"] = train_args(a, data, work / "train-1", a.init_from, budget.train)
     if "eval" in phases and budget.eval > 0:
