@@ -338,6 +338,11 @@ def test_regen_step_smoke_on_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     assert bench.pick(fast) == "sdpa"
     with pytest.raises(SystemExit, match="--overwrite"):
         bench.main(argv)
+    # --compiled: the step through torch.compile beside the eager one, the same logits (float32)
+    step_only = [*argv[:9], "--prompts", "0", "--compiled", "sdpa", "--out", str(tmp_path / "c.json")]
+    res = bench.main(step_only)
+    row = next(r for r in res["steps"] if r["variant"] == "sdpa+compile")
+    assert row["max_abs_dlogit"] < 1e-4 and row["argmax_agree"] == 1.0 and res["generate"] == []
 
 
 def _small_engine() -> Any:

@@ -15,7 +15,9 @@ regeneration runs it) for each attention variant:
   default where it runs): the columns past a row's length are not read;
 - `flex`: flex_attention's decoding kernel over a BlockMask of each row's own KV blocks (`flex_attention_step`, this
   file's: regeneration keeps SDPA, which was faster on an H100, benchmarks/RESULTS.md);
-- `no-attention`: the step with attention replaced by a copy of the query: what the rest of the step costs.
+- `no-attention`: the step with attention replaced by a copy of the query: what the rest of the step costs;
+- `--compiled A,…`: also attention A with the step through torch.compile inside its graph (`A+compile`,
+  `BatchedNativeTarget(compile=True)`: norms, RoPE, SwiGLU and residuals fused; one compilation per span), step only.
 Each variant's logits against `sdpa`'s at the same state: max |Δlogit| and argmax agreement.
 Then end to end: `native_generate` on `--prompts` random-token prompts (lengths uniform in [32, --max-prompt]),
 `--new` tokens each, no stop token, for `sdpa` and `varlen`: generated tokens/s and whether the ids agree.
@@ -123,7 +125,11 @@ def time_variant(
 ) -> tuple[float, torch.Tensor]:
     """The median ms of one step at this state, and the step's logits (float32, on the host)."""
     kind, _, backend = variant.partition(":")
-    net = BatchedNativeTarget(target, rows, span, attention="varlen" if kind == "varlen" else "sdpa")
+    compiled = kind.endswith("+compile")
+    kind = kind.removesuffix("+compile")
+    net = BatchedNativeTarget(
+        target, rows, span, compile=compiled, attention="varlen" if kind == "varlen" else "sdpa"
+    )
     if kind in PATCHED:
         net._attention = PATCHED[kind].__get__(net)  # type: ignore[method-assign]
     gen = torch.Generator(device=net.cache.device).manual_seed(0)
@@ -148,6 +154,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--prompts", type=int, default=2048, help="end to end: random-token prompts (0: skip)")
     ap.add_argument("--max-prompt", type=int, default=768)
     ap.add_argument("--new", type=int, default=256)
+    ap.add_argument(
+        "--compiled", default="", help="attentions also timed with the step compiled, e.g. varlen"
+    )
     ap.add_argument("--out", required=True)
     ap.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     args = ap.parse_args(argv)
@@ -170,7 +179,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         log(f"varlen left out: {why_not}")
     end_to_end = ["sdpa"] + ([] if why_not else ["varlen"])
     pinned = ["sdpa:efficient", "sdpa:cudnn", "sdpa:math"] if dev.type == "cuda" else []
-    variants = [*end_to_end, *pinned, "flex", "no-attention"]
+    compiled = [f"{a}+compile" for a in args.compiled.split(",") if a and a in end_to_end]
+    variants = [*end_to_end, *compiled, *pinned, "flex", "no-attention"]
     g = torch.Generator().manual_seed(0)
     vocab = target.model.config.vocab_size
     log(f"{out['device']}, {args.target}, {dtype}, {args.rows} rows")
