@@ -170,6 +170,12 @@ def prev_dataset(spec: str, work: Path) -> Path:
     return work / "prev" / f"{p.parent.name}-{p.stem}"
 
 
+def merge_sources(prev: list[Path], new: Path, regenerating: bool = False) -> list[Path]:
+    """The datasets a stint merges: the earlier stints', then its own regeneration when it has one (or, in a
+    dry run, is about to make one); a stint may train on earlier stints' data alone."""
+    return [*prev, *([new] if regenerating or (new / "manifest.json").is_file() else [])]
+
+
 def merge_args(a: argparse.Namespace, sources: list[Path], out: Path) -> list[str]:
     return [
         "data",
@@ -325,8 +331,7 @@ class Stint:
 
                 unpack_dataset(spec, folder, overwrite=True)
                 self.note(f"unpacked {spec} into {folder}")
-        # this stint's own data when it regenerated (a stint may train on earlier stints' data alone)
-        sources = [*prev, *([new] if (new / "manifest.json").is_file() else [])]
+        sources = merge_sources(prev, new)
         if not sources:
             raise StintError("nothing to merge: no regeneration in this stint's folder and no --prev-data")
         if sources == [new]:
@@ -586,8 +591,8 @@ def commands(a: argparse.Namespace, budget: Budget) -> dict[str, Any]:
     if "regen" in phases and not a.data:
         out["regen"] = regen_args(a, stint_plan(a), work / "new", budget.regen)
     if "merge" in phases and not a.data and a.prev_data:
-        own = [work / "new"] if "regen" in phases or (work / "new" / "manifest.json").is_file() else []
-        out["merge"] = merge_args(a, [*(prev_dataset(p, work) for p in a.prev_data), *own], data)
+        prev = [prev_dataset(p, work) for p in a.prev_data]
+        out["merge"] = merge_args(a, merge_sources(prev, work / "new", "regen" in phases), data)
     if "train" in phases:
         out["train"] = train_args(a, data, work / "train-1", a.init_from, budget.train)
     if "eval" in phases and budget.eval > 0:

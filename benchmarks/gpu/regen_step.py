@@ -14,7 +14,7 @@ regeneration runs it) for each attention variant:
 - `varlen`: flash attention over the packed cache with each row's own key count (`attention="varlen"`, the engine's
   default where it runs): the columns past a row's length are not read;
 - `flex`: flex_attention's decoding kernel over a BlockMask of each row's own KV blocks (`flex_attention_step`, this
-  file's: regeneration keeps SDPA, which was faster on an H100, benchmarks/RESULTS.md);
+  file's, step only: slower than SDPA on an H100, benchmarks/RESULTS.md);
 - `no-attention`: the step with attention replaced by a copy of the query: what the rest of the step costs;
 - `--compiled A,…`: also attention A with the step through torch.compile inside its graph (`A+compile`,
   `BatchedNativeTarget(compile=True)`: norms, RoPE, SwiGLU and residuals fused; one compilation per span), step only.
@@ -264,11 +264,10 @@ def pick(out: dict[str, Any]) -> str:
                  if r["span"] == span and r["variant"] in EXACT_KERNELS and "argmax_agree" in r]  # fmt: skip
         return min(exact) - 0.01 if exact else 0.99
 
-    ok = {"sdpa"} | {
-        a for a in ("varlen", "flex")
-        if all(r.get("argmax_agree", 0) >= floor(r["span"]) for r in out["steps"] if r["variant"] == a)
-        and any(r["variant"] == a for r in out["steps"])
-    }  # fmt: skip
+    varlen = [r for r in out["steps"] if r["variant"] == "varlen"]
+    ok = {"sdpa"} | (
+        {"varlen"} if varlen and all(r.get("argmax_agree", 0) >= floor(r["span"]) for r in varlen) else set()
+    )
     rate = {r["attention"]: r["tok_s"] for r in out["generate"] if r["attention"] in ok}
     best = max(rate, key=rate.__getitem__, default="sdpa")
     return best if best == "sdpa" or rate[best] >= 1.05 * rate.get("sdpa", 0) else "sdpa"

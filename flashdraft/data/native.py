@@ -282,9 +282,7 @@ class BatchedNativeTarget:
         rows, n_kv, hd, cap = self.rows, self.n_kv, self.head_dim, self.capacity
         rep = self.n_heads // n_kv
         if self.attention == "varlen":
-            dev = lengths.device
-            cu_q = torch.arange(0, (rows + 1) * rep, rep, dtype=torch.int32, device=dev)
-            cu_k = torch.arange(0, (rows + 1) * cap, cap, dtype=torch.int32, device=dev)
+            cu_q, cu_k = varlen_offsets(rows, rep, cap, lengths.device)
             used = (lengths + 1).to(torch.int32)
 
             def attend_varlen(
@@ -305,6 +303,16 @@ class BatchedNativeTarget:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale).reshape(rows, -1, hd)
 
         return attend
+
+
+def varlen_offsets(
+    rows: int, rep: int, capacity: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`varlen_attention`'s cu_q, cu_k for the decode step's packing: row r is one sequence, its `rep` query heads of
+    each kv head in the query slot (queries [r × rep, (r + 1) × rep)) over its own cache columns [r × capacity, …)."""
+    cu_q = torch.arange(0, (rows + 1) * rep, rep, dtype=torch.int32, device=device)
+    cu_k = torch.arange(0, (rows + 1) * capacity, capacity, dtype=torch.int32, device=device)
+    return cu_q, cu_k
 
 
 def varlen_attention(
@@ -381,8 +389,7 @@ def varlen_probe_error(device: torch.device, dtype: torch.dtype, head_dim: int) 
     k, v = torch.randn(2, rows, cap, n_kv, head_dim, generator=g)
     stale = torch.arange(cap)[None] >= used[:, None]  # [rows, cap]
     k[stale], v[stale] = 50.0, 50.0
-    cu_q = torch.arange(0, (rows + 1) * rep, rep, dtype=torch.int32)
-    cu_k = torch.arange(0, (rows + 1) * cap, cap, dtype=torch.int32)
+    cu_q, cu_k = varlen_offsets(rows, rep, cap, torch.device("cpu"))
     k, v = k.view(rows * cap, n_kv, head_dim), v.view(rows * cap, n_kv, head_dim)
     ref = varlen_reference(q, k, v, cu_q, cu_k, rep, cap, scale, used)
     on = [x.to(device) for x in (cu_q, cu_k, used)]
