@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import math
 import shutil
 import sys
 from pathlib import Path
@@ -626,3 +627,24 @@ def test_report_flags_that_do_not_fit_are_one_line_errors(
     assert ci.main(argv, run_eval=_no_eval) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_learning_curve_fit_recovers_a_log_trend_and_the_minutes_to_a_goal(tmp_path: Path) -> None:
+    plc = ci.plot_learning_curve
+    rows = [{"stint": k, "train_minutes": m, "new": {"loss_tokens": 1},
+             "eval": {"he": {"chain_tau": 1.0 + 0.5 * math.log(total), "ddtree_tau": 9.0}}}
+            for k, (m, total) in enumerate([(10.0, 10.0), (10.0, 20.0), (20.0, 40.0), (40.0, 80.0)])]  # fmt: skip
+    points = plc.curve(rows)
+    t = plc.trend(points, "he", "chain", from_stint=1)
+    assert t is not None and t.points == 3
+    assert t.b == pytest.approx(0.5) and t.per_doubling == pytest.approx(0.5 * math.log(2))
+    assert t.minutes_for(1.0 + 0.5 * math.log(160.0)) == pytest.approx(160.0)
+    assert plc.trend(points, "he", "ddtree", 1).minutes_for(10.0) == math.inf  # flat: never
+    assert plc.trend(points, "he", "chain", from_stint=2) is None  # two stints: no fit
+    out = plc.trend_table(points, 1, [plc.parse_goal("he:chain=3.5")])
+    assert "| he | chain | 3 | +0.35 |" in out and "| 3.5 | 148 | +68 |" in out
+    with pytest.raises(ValueError, match="SET:chain=TAU"):
+        plc.parse_goal("he:tree=3")
+    (tmp_path / "s.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(SystemExit, match="needs --fit-from"):
+        plc.main([str(tmp_path / "s.jsonl"), "--out", str(tmp_path / "c.png"), "--goal", "he:chain=3"])
