@@ -24,7 +24,8 @@ The steps, each a no-op when its inputs did not change (a progress line each):
    at least two standard errors above 0): `flashdraft export --overwrite` of the stint's drafter over --models,
    the model card's hand-written sections kept and its "## Campaign" section regenerated from stints.jsonl.
    Without --promote it says what it would do;
-6. curve: benchmarks/plot_learning_curve.py redraws benchmarks/results/campaign/learning_curve.png.
+6. curve: benchmarks/plot_learning_curve.py redraws benchmarks/results/campaign/learning_curve.png, with its fit
+   of τ against ln(training minutes) from stint 3 on dotted.
 """
 
 from __future__ import annotations
@@ -554,9 +555,14 @@ def write_card(models: Path, rows: list[dict[str, Any]]) -> None:
 # ----------------------------------------------------------------------------- 6. curve
 
 
+# the curve's fit starts at the first stint of the recipe the campaign kept (greedy answers, training on from the
+# last weights on every dataset kept so far); stints 1 and 2 trained on sampled answers and lost held-out τ
+FIT_FROM_STINT = 3
+
+
 def redraw_curve(stints: Path, png: Path) -> None:
     points = plot_learning_curve.curve(plot_learning_curve.read_rows(stints))
-    plot_learning_curve.plot(points, png)
+    plot_learning_curve.plot(points, png, FIT_FROM_STINT)
     say("curve", f"{png}: {len(points)} stints")
 
 
