@@ -231,7 +231,7 @@ class BatchedNativeTarget:
     ) -> None:
         """k, v [rows, kv, hd] into column `lengths[r]` of each row r of `layer`. Under torch.compile one
         index_put_ on the cache itself (writes into a view of it compile to a copy of the whole cache:
-        `NativeTarget._write_kv`); eager, the two indexed writes it has always made."""
+        `flashdraft.decode.native.put_rows`); eager, the two indexed writes it has always made."""
         if torch.compiler.is_compiling():
             dev = lengths.device
             index = (

@@ -11,6 +11,7 @@ A round is a fixed sequence of phases over static buffers, each captured once as
 
     draft   feed the pending context rows (≤ B, padded) to the drafter cache, run the block,
             keep the head's logits for slots 1..B−1                       [drafter forward]
+            (`NativeDrafter.step`; through torch.compile with `compile_drafter=True`)
     tree    (DDTree) build the tree ON THE DEVICE (`build_tree_device`, same nodes and order as
             `flashdraft.tree.build_tree`), write tokens / positions / mask in place
             (`write_tree_inputs`; through torch.compile where the phases are CUDA graphs: `compile_tree`)
@@ -305,6 +306,7 @@ class FastEngine:
         cuda_graphs: bool | None = None,
         compile_tree: bool | None = None,
         compile_target: bool = False,
+        compile_drafter: bool = False,
     ) -> None:
         why = native_support_error(target)
         if why is not None:
@@ -327,6 +329,9 @@ class FastEngine:
         # the prefill stays eager (variable length). Off until benchmarks/gpu/forward_speed.py has measured
         # it on a GPU; on CPU it runs too (inductor's C++ backend), tens of seconds of compilation per shape
         self.compile_target = compile_target
+        # the drafting phase (context write + block forward) through torch.compile the same way
+        # (`NativeDrafter.compiled_step`); off until forward_speed.py has measured it on a GPU
+        self.compile_drafter = compile_drafter
         self.block = drafter.block_size if drafter is not None else 1
         self.max_budget = max_budget
         self.max_q = max(self.block, max_budget + 1 if drafter is not None else 1)
@@ -350,7 +355,6 @@ class FastEngine:
         if drafter is not None:
             feat_dim = len(self.layer_ids) * target.hidden_size
             self.pending = torch.zeros(self.block, feat_dim, dtype=target.dtype, device=dev)  # [B, k·H]
-            self.dkv_idx = torch.arange(d_capacity, **long)
             self.mask_ids = torch.full((self.block - 1,), drafter.mask_token_id, **long)
             self.draft_logits = torch.zeros(self.block - 1, target.vocab_size, dtype=target.dtype, device=dev)
             self.draft_tokens = torch.zeros(self.block - 1, **long)
@@ -409,12 +413,8 @@ class FastEngine:
     def _draft(self) -> None:
         nd = self.ndrafter
         assert nd is not None
-        ctx_pos = self.seq_len - self.n_pending + self.block_ar  # [B]; rows past n_pending land in the block
-        nd.write_context(self.pending, ctx_pos)
-        block_ids = torch.cat([self.bonus, self.mask_ids])  # [B]
-        positions = self.seq_len + self.block_ar  # [B]
-        allowed = (self.dkv_idx < self.seq_len + self.block)[None].expand(self.block, -1)  # [B, cap_d]
-        logits = nd.forward_block(block_ids, positions, allowed)  # [B, V]
+        step = nd.compiled_step if self.compile_drafter else nd.step
+        logits = step(self.pending, self.n_pending, self.seq_len, self.bonus, self.mask_ids)  # [B, V]
         self.draft_logits.copy_(logits[1:])
 
     def _chain_inputs(self) -> None:

@@ -221,6 +221,33 @@ def _attend(
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[None, None], scale=scale)
 
 
+def put_rows(cache: torch.Tensor, layers: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:
+    """values [l, 2, kv, q, hd] into `cache` [L, 2, kv, S, hd] at layers `layers` [l], rows `rows` [q]: one
+    index_put_ on the cache itself, every index broadcast to [l, 2, kv, q].
+
+    For code under torch.compile: there an index_copy_ into a view of the cache (`cache[i, 0]`) is
+    functionalized into a copy of the whole cache, written back at the end of every forward (seen in
+    inductor's output code, CPU, torch 2.13), where this stays an in-place scatter."""
+    dev = rows.device
+    index = (
+        layers[:, None, None, None],
+        torch.arange(2, device=dev)[None, :, None, None],  # k, v
+        torch.arange(cache.shape[2], device=dev)[None, None, :, None],
+        rows[None, None, None],
+    )
+    cache.index_put_(index, values)
+
+
+def write_kv(cache: torch.Tensor, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """k, v [kv, q, hd] into rows `rows` [q] of `cache[layer]`: `put_rows` under torch.compile, else the two
+    index_copy_ kernels eager has always run (the same values either way)."""
+    if torch.compiler.is_compiling():
+        put_rows(cache, torch.full((1,), layer, device=rows.device), rows, torch.stack([k, v])[None])
+    else:
+        cache[layer, 0].index_copy_(1, rows, k)  # cache[layer, 0]: [kv, S, hd]
+        cache[layer, 1].index_copy_(1, rows, v)
+
+
 class NativeTarget:
     """A static-cache forward over the HF target's own layers (batch 1)."""
 
@@ -275,26 +302,6 @@ class NativeTarget:
             out = self._compiled(input_ids, positions, write_rows, allowed, tuple(layer_ids or ()), logits)
         return NativeOutput(*out)
 
-    def _write_kv(self, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v [kv, q, hd] into cache rows `rows` [q] of `layer`.
-
-        Under torch.compile an index_copy_ into a view of the cache (`cache[i, 0]`) is functionalized into a
-        copy of the whole cache, written back at the end of every forward (seen in inductor's output code,
-        CPU, torch 2.13); one index_put_ on the cache itself stays an in-place scatter. Eager keeps the two
-        index_copy_ kernels it has always run (the same values either way)."""
-        if torch.compiler.is_compiling():
-            n_kv = self.n_kv
-            index = (
-                torch.full((1, 1, 1), layer, dtype=torch.long, device=rows.device),
-                torch.arange(2, device=rows.device)[:, None, None],  # k, v
-                torch.arange(n_kv, device=rows.device)[None, :, None],
-                rows[None, None],
-            )  # broadcast to [2, kv, q]
-            self.cache.index_put_(index, torch.stack([k, v]))  # [2, kv, q, hd]
-        else:
-            self.cache[layer, 0].index_copy_(1, rows, k)  # cache[layer, 0]: [kv, S, hd]
-            self.cache[layer, 1].index_copy_(1, rows, v)
-
     def _run(
         self,
         input_ids: torch.Tensor,
@@ -317,7 +324,7 @@ class NativeTarget:
             q, k, v = target_qkv(
                 layer, h, self.n_heads, self.n_kv, self.head_dim, cos, sin
             )  # [1, heads|kv, q, hd]
-            self._write_kv(i, write_rows, k[0], v[0])
+            write_kv(self.cache, i, write_rows, k[0], v[0])
             o = _attend(q, self.cache[i, 0][None], self.cache[i, 1][None], mask, attn.scaling)
             o = o.transpose(1, 2).reshape(1, q_len, self.n_heads * self.head_dim)  # [1, q, heads·hd]
             h = h + attn.o_proj(o)
@@ -398,6 +405,8 @@ class NativeDrafter:
             self.k_norm_weight = torch.stack(self._norms)[:, None]  # [L, 1, hd]
         self.k_norm_eps = attns[0].k_norm.eps
         self._versions = self._source_versions()
+        self.kv_idx = torch.arange(capacity, device=p.device)
+        self._compiled: Callable[..., torch.Tensor] | None = None
 
     def _source_versions(self) -> list[int]:
         return [t._version for t in (*self._weights, *self._biases, *self._norms)]
@@ -415,6 +424,34 @@ class NativeDrafter:
             self._versions = versions
 
     @torch.no_grad()
+    def step(
+        self,
+        pending: torch.Tensor,  # [B, k·H] raw features; its first `n_pending` rows are new context
+        n_pending: torch.Tensor,  # [1]
+        seq_len: torch.Tensor,  # [1] the bonus's position: the context ends right before it
+        bonus: torch.Tensor,  # [1]
+        mask_ids: torch.Tensor,  # [B − 1] the drafter's mask token
+    ) -> torch.Tensor:
+        """One drafting step on device scalars, no host read: the pending context rows written (all B of
+        them: rows past `n_pending` land in the block, which overwrites them), then [bonus, MASK, ...] drafted
+        against the context before it. Logits [B, V], slot 0 included."""
+        b = pending.shape[0]
+        ar = torch.arange(b, device=pending.device)
+        self.write_context(pending, seq_len - n_pending + ar)
+        positions = seq_len + ar  # [B]
+        allowed = (self.kv_idx < seq_len + b)[None].expand(b, -1)  # [B, capacity]
+        return self.forward_block(torch.cat([bonus, mask_ids]), positions, allowed)
+
+    def compiled_step(self, *args: torch.Tensor) -> torch.Tensor:
+        """`step` through torch.compile (fullgraph, static shapes): one compilation. Inductor fuses the norms,
+        RoPE, SwiGLU and the residual adds of the context write and the block's layers; the matmuls and SDPA stay
+        library calls. For the engine's drafting phase, compiled in its warm-up and captured in its CUDA graph."""
+        if self._compiled is None:
+            self._compiled = torch.compile(self.step, fullgraph=True, dynamic=False)
+        with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=COMPILE_RECOMPILE_LIMIT):
+            return self._compiled(*args)
+
+    @torch.no_grad()
     def write_context(self, feats: torch.Tensor, positions: torch.Tensor) -> None:
         """Fuse raw features [c, k·H] and store their K/V at rows `positions` [c] in every layer."""
         d = self.drafter
@@ -427,8 +464,11 @@ class NativeDrafter:
         cos, sin = d.rope(positions[None], ctx.dtype)  # [1, c, hd]
         cos, sin = rope_tables(cos[0, :, None, None], sin[0, :, None, None])  # [c, 1, 1, hd]
         k = _rope(k, cos, sin)
-        # [L, 2, kv, c, hd] into the cache rows `positions` of every layer at once
-        self.cache.index_copy_(3, positions, torch.stack([k, v], dim=2).permute(1, 2, 3, 0, 4))
+        kv = torch.stack([k, v], dim=2).permute(1, 2, 3, 0, 4)  # [L, 2, kv, c, hd]
+        if torch.compiler.is_compiling():
+            put_rows(self.cache, torch.arange(n_layers, device=positions.device), positions, kv)
+        else:  # into the cache rows `positions` of every layer at once
+            self.cache.index_copy_(3, positions, kv)
 
     @torch.no_grad()
     def forward_block(
@@ -453,8 +493,7 @@ class NativeDrafter:
             k = rms_norm(attn.k_norm, attn.k_proj(x).view(1, b_len, self.n_kv, self.head_dim)).transpose(1, 2)
             v = attn.v_proj(x).view(1, b_len, self.n_kv, self.head_dim).transpose(1, 2)  # [1, kv, B, hd]
             q, k = _rope_qk(q, k, cos, sin)
-            self.cache[i, 0].index_copy_(1, positions, k[0])
-            self.cache[i, 1].index_copy_(1, positions, v[0])
+            write_kv(self.cache, i, positions, k[0], v[0])
             o = _attend(q, self.cache[i, 0][None], self.cache[i, 1][None], mask, 1.0 / self.head_dim**0.5)
             o = o.transpose(1, 2).reshape(1, b_len, self.n_heads * self.head_dim)  # [1, B, heads·hd]
             h = h + attn.o_proj(o)
