@@ -9,6 +9,7 @@ flashdraft generate --target ./tiny --drafter ./tiny-drafter --prompt-ids 5,17,3
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import typer
@@ -77,6 +78,9 @@ def register(app: typer.Typer) -> None:
         engine: str = typer.Option(
             "auto",
             help="auto (the CUDA-graph engine on CUDA, the reference decoder on CPU) | fast | reference",
+        ),
+        compile: bool = typer.Option(
+            False, "--compile", help="fast engine: forwards through torch.compile (bf16 near-ties may vary)"
         ),
     ) -> None:
         """Generate one completion with DFlash speculative decoding and print a summary line."""
@@ -149,11 +153,16 @@ def register(app: typer.Typer) -> None:
             )
         if engine == "fast" or (engine == "auto" and t.device.type == "cuda"):
             from flashdraft.decode.engine import generate as run_generate  # noqa: F811  (same signature, token-identical)
+        fast = run_generate.__module__ == "flashdraft.decode.engine"
+        if compile:
+            if not fast:
+                raise typer.BadParameter("only the fast engine compiles (a CUDA device, or --engine fast)",
+                                         param_hint="--compile")  # fmt: skip
+            run_generate = functools.partial(run_generate, compile=True)
         policy = None
         if method == "auto":
             from flashdraft.decode.budget import auto_policy
 
-            fast = run_generate.__module__ == "flashdraft.decode.engine"
             policy = auto_policy(
                 t, d, run_generate, engine="fast" if fast else "reference", tau_report=tau_report,
                 report_drafter=str(resolve_drafter_path(drafter)) if drafter else None,

@@ -701,10 +701,14 @@ def generate(
     *,
     max_new_tokens: int,
     max_len: int | None = None,
+    compile: bool = False,
     **kwargs: Any,
 ) -> GenerationResult:
     """`FastEngine(target, drafter).generate(...)` with the engine kept for the next call.
 
+    `compile`: the target's and the drafter's forwards through torch.compile inside the CUDA graphs
+    (`compile_target`, `compile_drafter`): faster rounds after a compilation per shape, and in bf16 near-ties
+    that may break differently from run to run (benchmarks/RESULTS.md "Decode speed").
     Targets outside the native families fall back to the reference transformers decoder.
     """
     if native_support_error(target) is not None:
@@ -713,13 +717,13 @@ def generate(
         return reference_generate(target, drafter, input_ids, max_new_tokens=max_new_tokens, **kwargs)
     n = torch.as_tensor(input_ids).shape[-1]
     need = max_len or max(2048, n + max_new_tokens)
-    key = (id(target), id(drafter))
+    key = (id(target), id(drafter), compile)
     eng = _ENGINE.get("engine")
     fits = eng is not None and eng.max_len >= n + max_new_tokens
     # AR needs no drafter: a kept engine of this target serves it, whichever drafter that engine holds
-    ar_reuse = fits and kwargs.get("method") == "ar" and _ENGINE["key"][0] == id(target)
+    ar_reuse = fits and kwargs.get("method") == "ar" and _ENGINE["key"][::2] == key[::2]
     if not ar_reuse and (not fits or _ENGINE.get("key") != key):
         _ENGINE.clear()
-        eng = FastEngine(target, drafter, max_len=need)
+        eng = FastEngine(target, drafter, max_len=need, compile_target=compile, compile_drafter=compile)
         _ENGINE.update(engine=eng, key=key)
     return eng.generate(input_ids, max_new_tokens=max_new_tokens, **kwargs)

@@ -19,6 +19,7 @@ prompt to prompt; the report's notes say what it ran.
 from __future__ import annotations
 
 import copy
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -78,8 +79,16 @@ def parse_methods(text: str) -> list[tuple[str, int | None]]:
     return out
 
 
-def pick_engine(target: TargetModel, engine: str) -> tuple[str, Callable[..., Any]]:
-    """("reference" | "fast", its generate function); "auto" = fast on CUDA when it can run this target."""
+def pick_engine(target: TargetModel, engine: str, compile: bool = False) -> tuple[str, Callable[..., Any]]:
+    """("reference" | "fast", its generate function); "auto" = fast on CUDA when it can run this target.
+    `compile`: the fast engine's forwards through torch.compile (`flashdraft.decode.engine.generate`)."""
+    name, gen = _pick_engine(target, engine)
+    if compile and name != "fast":
+        raise ValueError("--compile: only the fast engine compiles (a CUDA target, or --engine fast)")
+    return name, functools.partial(gen, compile=True) if compile else gen
+
+
+def _pick_engine(target: TargetModel, engine: str) -> tuple[str, Callable[..., Any]]:
     from flashdraft.decode.generate import generate as reference
 
     if engine == "reference" or (engine == "auto" and target.device.type != "cuda"):
@@ -121,6 +130,7 @@ def bench(
     drafter_name: str = "",
     progress: bool = True,
     tau_report: str | None = None,  # method auto: an eval report with the drafter's τ per budget
+    compile: bool = False,  # the fast engine's forwards through torch.compile
 ) -> BenchReport:
     from tqdm import tqdm
 
@@ -132,7 +142,7 @@ def bench(
     elif any(m != "ar" for m, _ in todo):
         raise ValueError("chain / ddtree methods need a drafter (--drafter)")
     stop = stop_token_ids if stop_token_ids is not None else target_stop_ids(target)
-    engine_name, gen = pick_engine(target, engine)
+    engine_name, gen = pick_engine(target, engine, compile)
     policy = None
     if any(m == "auto" for m, _ in todo):
         from flashdraft.decode.budget import auto_policy
@@ -187,7 +197,7 @@ def bench(
     for r in rows:
         if ar is not None and r.tpot_ms > 0:
             r.speedup = ar.tpot_ms / r.tpot_ms
-    notes = []
+    notes = ["the target's and the drafter's forwards compiled (torch.compile)"] if compile else []
     if policy is not None:
         ran = ", ".join(f"{k} ×{n}" for k, n in policy.counts.items())
         cost = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in policy.seconds.items())

@@ -273,6 +273,9 @@ def register(app: typer.Typer) -> None:
         device: str = typer.Option("cpu", help="cpu | cuda"),
         dtype: str = typer.Option("float32"),
         engine: str = typer.Option("auto", help="auto (fast on CUDA) | reference | fast"),
+        compile: bool = typer.Option(
+            False, "--compile", help="fast engine: forwards through torch.compile (bf16 near-ties may vary)"
+        ),
         warmup: int = typer.Option(1, help="untimed runs per method before timing"),
         tau_report: Path | None = typer.Option(
             None, help="method auto: a `flashdraft eval` report.json giving the drafter's τ per budget"
@@ -304,7 +307,7 @@ def register(app: typer.Typer) -> None:
             report = bench(
                 t, d, prompts, methods=methods, max_new_tokens=max_new_tokens, temperature=temperature,
                 engine=engine, warmup=warmup, dataset=dataset, drafter_name=dname, progress=progress,
-                tau_report=str(tau_report) if tau_report else None,
+                tau_report=str(tau_report) if tau_report else None, compile=compile,
             )  # fmt: skip
         except ValueError as e:
             _fail(str(e))

@@ -112,3 +112,23 @@ def test_bench_on_the_fast_engine_builds_one_engine(fast_engine_builds: list[int
                 engine="fast", progress=False)  # fmt: skip
     assert rep.engine == "fast" and len(fast_engine_builds) == 1
     assert all(r.identical_to_ar == 2 for r in rep.rows if r.method != "ar")
+
+
+def test_bench_compile_runs_the_compiled_fast_engine(fast_engine_builds: list[int]) -> None:
+    """`compile=True`: one fast engine with the target's and the drafter's forwards through torch.compile (float64:
+    AR's tokens from every method, a note saying so); the reference engine refuses it in one line."""
+    from flashdraft.decode import engine as fast
+    from flashdraft.eval.bench import bench
+    from flashdraft.eval.prompts import EvalPrompt
+
+    target = tiny_target("llama", layers=2)
+    drafter = tiny_drafter(target, layers=1, seed=1)
+    prompts = [EvalPrompt("q", [3, 8, 13, 21], "token ids")]
+    rep = bench(target, drafter, prompts, methods="ar,chain", max_new_tokens=8, engine="fast", compile=True,
+                warmup=0, progress=False)  # fmt: skip
+    eng = fast._ENGINE["engine"]
+    assert len(fast_engine_builds) == 1 and eng.compile_target and eng.compile_drafter
+    assert eng.native._compiled is not None and eng.ndrafter._compiled is not None
+    assert rep.rows[1].identical_to_ar == 1 and "compiled" in rep.notes[0]
+    with pytest.raises(ValueError, match="--compile: only the fast engine"):
+        bench(target, drafter, prompts, methods="ar", engine="reference", compile=True, progress=False)
