@@ -265,7 +265,7 @@ def _load_script(path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
 
 @pytest.mark.slow
 def test_forward_speed_smoke_on_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """benchmarks/gpu/forward_speed.py --device cpu on a 2-layer random target: both engines, every stage, the
+    """benchmarks/gpu/forward_speed.py --device cpu on a 2-layer random target: every engine, every stage, the
     JSON; the compiled target (inductor's CPU backend, 2 shapes: ~1-2 minutes on 2 cores) agrees with eager."""
     bench = _load_script(REPO / "benchmarks" / "gpu" / "forward_speed.py", monkeypatch)
     import random_targets  # benchmarks/, on the path the script put it
@@ -275,11 +275,12 @@ def test_forward_speed_smoke_on_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     argv = ["random-tiny", "--device", "cpu", "--block", "4", "--drafter-layers", "1", "--budget", "3",
             "--prompts", "2", "--max-new-tokens", "10", "--reps", "2", "--out", str(out)]  # fmt: skip
     res = bench.main(argv)
-    assert json.loads(out.read_text())["variants"].keys() == {"eager", "compiled", "compiled-separate"}
+    variants = ("eager", "compiled", "compiled-drafter", "compiled-separate")
+    assert json.loads(out.read_text())["variants"].keys() == set(variants)
     from flashdraft.decode.native import fuse_projections
 
     assert bench.native_forward.fuse_projections is fuse_projections  # patched out for its engine only
-    for v in ("eager", "compiled", "compiled-separate"):
+    for v in variants:
         ph = res["variants"][v]["phases"]
         assert all(
             ph[k] > 0
@@ -289,7 +290,7 @@ def test_forward_speed_smoke_on_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPa
         assert res["variants"][v]["rounds"]["chain"]["round_ms"]["verify"] > 0
     cmp = res["compiled_vs_eager"]
     assert cmp["ar_identical_sequences"] == cmp["of"] == 2
-    for v in ("eager", "compiled", "compiled-separate"):  # the same graphs at the same state: the same tokens
+    for v in variants:  # the same graphs at the same state: the same tokens
         assert all(res["variants"][v]["stale_rows_identical"].values())
         for row in res["variants"][v]["rounds"].values():
             assert row["rerun_vs_timed"]["identical"] == row["profiled_vs_timed"]["identical"] == 2

@@ -267,7 +267,7 @@ def test_yardstick_verdicts_go_into_the_line_and_run_once(
     assert y["shipped"]["chain_tau"] == 3.0 and y["baseline"] == "models" and y["prompts"] == 40
     assert y["paired"]["chain"] == {"delta": 0.4123, "se": 0.1, "n": 40, "verdict": "neither"}
     assert (
-        "[promote] not promoted: sharegpt-heldout-100: chain Δτ +0.412 ± 0.100 SE over 40 prompts is neither"
+        "[promote] not promoted: sharegpt-heldout-100: chain Δτ +0.412 ± 0.100 SE over 40 prompts, neither: better on"
         in out
     )
     assert (tmp_path / "results" / "stint-2" / "yardstick" / "sharegpt-heldout-100" / "report.json").is_file()
@@ -298,16 +298,22 @@ def _fake_eval_again(ran: list[list[str]]):  # type: ignore[no-untyped-def]
          "no sharegpt-heldout yardstick"),
         ({"stint": 4, "yardstick": {"sharegpt-heldout-100": {"paired": {"chain": {"delta": 0.3, "se": 0.1, "n": 9,
          "verdict": "better"}}}}}, True, "chain Δτ +0.300 ± 0.100 SE over 9 prompts, better"),
+        ({"stint": 4, "yardstick": {"sharegpt-heldout-100": {"paired": {"chain": {"delta": 0.0, "se": 0.1, "n": 9,
+         "verdict": "neither"}}}, "humaneval-164": {"paired": {"chain": {"delta": 0.2, "se": 0.02, "n": 164,
+         "verdict": "better"}}}}}, True, "better than the shipped drafter, worse on none"),
         ({"stint": 4, "yardstick": {"sharegpt-heldout-100": {"paired": {"chain": {"delta": -0.3, "se": 0.1, "n": 9,
-         "verdict": "worse"}}}}}, False, "is worse, not two SE better"),
+         "verdict": "worse"}}}, "humaneval-164": {"paired": {"chain": {"delta": 0.2, "se": 0.02, "n": 164,
+         "verdict": "better"}}}}}, False, "sharegpt-heldout-100: chain Δτ -0.300 ± 0.100 SE over 9 prompts, worse"),
+        ({"stint": 4, "yardstick": {"sharegpt-heldout-100": {"paired": {"chain": {"delta": -0.3, "se": 0.1, "n": 9,
+         "verdict": "worse"}}}}}, False, "two SE worse"),
         ({"stint": 4, "yardstick": {"sharegpt-heldout-100": {"paired": {"chain": {"delta": 0.1, "se": 0.1, "n": 9,
          "verdict": "neither"}, "ddtree-512": {"delta": 1.0, "se": 0.1, "n": 9, "verdict": "better"}}}}}, False,
-         "is neither"),  # only the chain τ decides
+         "better on none"),  # only the chain τ decides
         ({"stint": 4, "yardstick": {"sharegpt-heldout-100": {"paired": {"chain": {"delta": 0.9, "se": None, "n": 1,
          "verdict": None}}}}}, False, "over two or more prompts (n=1)"),
     ],
 )  # fmt: skip
-def test_promotion_needs_a_better_held_out_sharegpt_chain_tau(line: dict, ok: bool, why: str) -> None:
+def test_promotion_needs_a_better_held_out_chain_tau_and_no_worse_one(line: dict, ok: bool, why: str) -> None:
     got, reason = ci.promote_decision(line)
     assert got == ok and why in reason, reason
 
