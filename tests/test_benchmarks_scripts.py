@@ -275,7 +275,7 @@ def test_forward_speed_smoke_on_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     argv = ["random-tiny", "--device", "cpu", "--block", "4", "--drafter-layers", "1", "--budget", "3",
             "--prompts", "2", "--max-new-tokens", "10", "--reps", "2", "--out", str(out)]  # fmt: skip
     res = bench.main(argv)
-    variants = ("eager", "compiled", "compiled-drafter", "compiled-separate")
+    variants = ("eager", "compiled", "compiled-drafter", "compiled-overlap", "compiled-separate")
     assert json.loads(out.read_text())["variants"].keys() == set(variants)
     from flashdraft.decode.native import fuse_projections
 

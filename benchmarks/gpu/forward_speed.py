@@ -8,7 +8,9 @@ Engines over the same target and drafter (bf16 on CUDA), the same capacity and t
 engine's default: compiled with CUDA graphs); `eager` runs the target's forward eagerly inside its phase graphs,
 `compiled` through torch.compile (inductor, default mode) captured inside them, and `compiled-separate` the same
 with q/k/v and gate/up as separate matmuls (before `fuse_projections`: what one matmul each saves), and
-`compiled-drafter` the compiled target with the drafting phase compiled too (`compile_drafter=True`). For each:
+`compiled-drafter` the compiled target with the drafting phase compiled too (`compile_drafter=True`), and
+`compiled-overlap` that engine with round k + 1 enqueued before round k's tokens are read (`overlap_rounds=True`:
+the same phases, so the same phase costs; the end-to-end rounds show what hiding the host loop gains). For each:
 - the phases' cost by graph replay at a real state after a prefill (median of `--reps`, CUDA events): the AR step
   (inputs + forward q = 1 + token choice + commit), the chain's verify (q = B, 16 for the shipped drafter) and
   its ratio to the AR step, the DDTree phase at `--budget`, the verify at budget + 1, the drafter step; and the
@@ -56,7 +58,7 @@ from flashdraft.target import TargetModel, drafter_config_for, load_target  # no
 
 # compiled-separate: the compiled forward with q/k/v and gate/up as separate matmuls, as before `fuse_projections`
 # (run last: it drops the fused buffers, whose storage the other engines' graphs still read through the weights)
-VARIANTS = ("eager", "compiled", "compiled-drafter", "compiled-separate")
+VARIANTS = ("eager", "compiled", "compiled-drafter", "compiled-overlap", "compiled-separate")
 
 
 def log(msg: str) -> None:
@@ -373,7 +375,7 @@ def measure_variant(
     with patch.object(native_forward, "fuse_projections", lambda target: None) if separate else nullcontext():
         eng = FastEngine(
             target, drafter, max_len=max_len, max_budget=args.budget, compile_target=v != "eager",
-            compile_drafter=v == "compiled-drafter",
+            compile_drafter=v in ("compiled-drafter", "compiled-overlap"), overlap_rounds=v == "compiled-overlap",
         )  # fmt: skip
     results["capacity"] = eng.capacity
     for method, b in [("ar", None), ("chain", None), ("ddtree", args.budget)]:

@@ -23,6 +23,8 @@ A round is a fixed sequence of phases over static buffers, each captured once as
 The only host read per round is `out.tolist()` (accepted length + committed tokens), in
 `_read_round`: stop tokens and `max_new_tokens` are applied on the host afterwards, exactly as
 the reference does (generation ends at a truncated round, so the device state past it is moot).
+With `overlap_rounds=True` the next round is enqueued before that read (`_decode_overlapped`), the
+round's `out` copied to the host asynchronously, so the host's read and bookkeeping overlap the device.
 Rows of the static caches past the committed length hold stale K/V; every mask hides them and
 the next round overwrites them.
 """
@@ -307,6 +309,7 @@ class FastEngine:
         compile_tree: bool | None = None,
         compile_target: bool = False,
         compile_drafter: bool = False,
+        overlap_rounds: bool = False,
     ) -> None:
         why = native_support_error(target)
         if why is not None:
@@ -332,6 +335,9 @@ class FastEngine:
         # the drafting phase (context write + block forward) through torch.compile the same way
         # (`NativeDrafter.compiled_step`); off until forward_speed.py has measured it on a GPU
         self.compile_drafter = compile_drafter
+        # launch the next round before reading this one's tokens (`_decode_overlapped`): the host's read,
+        # bookkeeping and launches run while the device works; off until forward_speed.py has measured it on a GPU
+        self.overlap_rounds = overlap_rounds
         self.block = drafter.block_size if drafter is not None else 1
         self.max_budget = max_budget
         self.max_q = max(self.block, max_budget + 1 if drafter is not None else 1)
@@ -361,6 +367,10 @@ class FastEngine:
         self._q: dict[int, dict[str, torch.Tensor]] = {}  # verify buffers per q
         self._tree: dict[int, dict[str, Any]] = {}  # tree buffers per budget
         self._phases: dict[tuple[Any, ...], _Phase] = {}
+        # two host copies of `out` and their events, for the overlapped loop (pinned: the copies run async)
+        pin = self.device.type == "cuda"
+        self._host_out = [torch.zeros(self.out.shape, dtype=torch.long, pin_memory=pin) for _ in range(2)]
+        self._host_ready = [torch.cuda.Event() for _ in range(2)] if pin else []
 
     # -- static buffers
 
@@ -508,9 +518,57 @@ class FastEngine:
     def _read_round(self) -> tuple[list[int], list[int]]:
         """The one host read per round (a sync): the committed tokens, and a tree round's accepted nodes (their
         build-order indices, root excluded; meaningless for other rounds)."""
-        host = self.out.tolist()
+        return self._split_out(self.out.tolist())
+
+    def _split_out(self, host: list[int]) -> tuple[list[int], list[int]]:
         a = host[0]
         return host[1 : a + 2], host[self.block + 2 : self.block + 2 + a]
+
+    def _launch_round(self, round_fns: list[tuple[str, Callable[[], None]]], slot: int) -> None:
+        """Enqueue a round's phases, then its `out` into host slot `slot` (async on CUDA)."""
+        for _, fn in round_fns:
+            fn()
+        self._host_out[slot].copy_(self.out, non_blocking=True)
+        if self._host_ready:
+            self._host_ready[slot].record()
+
+    def _read_slot(self, slot: int) -> tuple[list[int], list[int]]:
+        if self._host_ready:
+            self._host_ready[slot].synchronize()
+        return self._split_out(self._host_out[slot].tolist())
+
+    def _decode_overlapped(
+        self,
+        round_fns: list[tuple[str, Callable[[], None]]],
+        result: GenerationResult,
+        max_new_tokens: int,
+        stop: set[int],
+        on_tokens: Callable[[list[int]], bool | None] | None,
+    ) -> None:
+        """The round loop with round k + 1 enqueued before round k's tokens are read, so the host's read and
+        bookkeeping of one round overlap the device's next: every phase reads its inputs from the device state
+        the last one left, never from the host. The rounds, and so the tokens, are the serial loop's; when a
+        round ends the generation, the one enqueued after it is wasted work on state nobody reads. A round is
+        enqueued ahead only when it stays inside the caches whatever the unread round commits (≤ B tokens):
+        that round ends at seq_len ≤ prompt + tokens so far − 1 + B, which must be ≤ max_len."""
+        slot = 0
+        self._launch_round(round_fns, slot)
+        done = False
+        while not done:
+            n_tokens = len(result.tokens)
+            ahead = result.prompt_tokens + n_tokens - 1 + self.block <= self.max_len
+            if ahead:
+                self._launch_round(round_fns, 1 - slot)
+            committed, nodes = self._read_slot(slot)
+            new, reason = truncate_round(committed, max_new_tokens - n_tokens, stop)
+            result.rounds += 1
+            result.acceptance_lengths.append(len(new))
+            if result.method == "ddtree":
+                result.tree_paths.append(nodes)
+            done = deliver(result, new, reason, on_tokens)
+            if not done and not ahead:
+                self._launch_round(round_fns, 1 - slot)
+            slot = 1 - slot
 
     @torch.no_grad()
     def generate(
@@ -597,41 +655,45 @@ class FastEngine:
         prof = RoundProfile()
         timed = profile and self.device.type == "cuda"
         t_decode = time.perf_counter()
-        while not done:
-            remaining = max_new_tokens - len(result.tokens)
-            # profiled or not, the same phases (graphs) run in the same order: events or clock reads between
-            # them change no token (tests/decode/test_engine_compile.py checks it, CUDA graphs and bf16 too)
-            if timed:
-                events = [torch.cuda.Event(enable_timing=True) for _ in range(len(round_fns) + 1)]
-                events[0].record()
-                for (_, fn), ev in zip(round_fns, events[1:], strict=True):
-                    fn()
-                    ev.record()
-            else:
-                marks = [time.perf_counter()]
-                for _, fn in round_fns:
-                    fn()
-                    marks.append(time.perf_counter())
-            t_read = time.perf_counter()
-            committed, nodes = self._read_round()
-            new, reason = truncate_round(committed, remaining, stop)
-            result.rounds += 1
-            result.acceptance_lengths.append(len(new))
-            if method == "ddtree":
-                result.tree_paths.append(nodes)
-            done = deliver(result, new, reason, on_tokens)
-            if profile:
-                host_ms = (time.perf_counter() - t_read) * 1e3
+        if self.overlap_rounds and not profile:
+            if not done:
+                self._decode_overlapped(round_fns, result, max_new_tokens, stop, on_tokens)
+        else:  # one round at a time: launch, read, decide
+            while not done:
+                remaining = max_new_tokens - len(result.tokens)
+                # profiled or not, the same phases (graphs) run in the same order: events or clock reads between
+                # them change no token (tests/decode/test_engine_compile.py checks it, CUDA graphs and bf16 too)
                 if timed:
-                    ms = [events[i].elapsed_time(events[i + 1]) for i in range(len(round_fns))]
+                    events = [torch.cuda.Event(enable_timing=True) for _ in range(len(round_fns) + 1)]
+                    events[0].record()
+                    for (_, fn), ev in zip(round_fns, events[1:], strict=True):
+                        fn()
+                        ev.record()
                 else:
-                    ms = [(marks[i + 1] - marks[i]) * 1e3 for i in range(len(round_fns))]
-                row = {f"{name}_ms": v for (name, _), v in zip(round_fns, ms, strict=True)}
-                row["host_ms"] = host_ms
-                prof.per_round.append(row)
-                for k, v in row.items():
-                    setattr(prof, k, getattr(prof, k) + v)
-                prof.rounds += 1
+                    marks = [time.perf_counter()]
+                    for _, fn in round_fns:
+                        fn()
+                        marks.append(time.perf_counter())
+                t_read = time.perf_counter()
+                committed, nodes = self._read_round()
+                new, reason = truncate_round(committed, remaining, stop)
+                result.rounds += 1
+                result.acceptance_lengths.append(len(new))
+                if method == "ddtree":
+                    result.tree_paths.append(nodes)
+                done = deliver(result, new, reason, on_tokens)
+                if profile:
+                    host_ms = (time.perf_counter() - t_read) * 1e3
+                    if timed:
+                        ms = [events[i].elapsed_time(events[i + 1]) for i in range(len(round_fns))]
+                    else:
+                        ms = [(marks[i + 1] - marks[i]) * 1e3 for i in range(len(round_fns))]
+                    row = {f"{name}_ms": v for (name, _), v in zip(round_fns, ms, strict=True)}
+                    row["host_ms"] = host_ms
+                    prof.per_round.append(row)
+                    for k, v in row.items():
+                        setattr(prof, k, getattr(prof, k) + v)
+                    prof.rounds += 1
         timings.decode_s = time.perf_counter() - t_decode
         timings.total_s = time.perf_counter() - t_start
         if profile:
