@@ -9,7 +9,6 @@ flashdraft generate --target ./tiny --drafter ./tiny-drafter --prompt-ids 5,17,3
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 
 import typer
@@ -86,11 +85,13 @@ def register(app: typer.Typer) -> None:
         """Generate one completion with DFlash speculative decoding and print a summary line."""
         import torch
 
+        from flashdraft.decode.backend import ENGINES, pick_engine
         from flashdraft.decode.generate import METHODS
-        from flashdraft.decode.generate import generate as run_generate
         from flashdraft.drafter import DFlashDrafter
         from flashdraft.target import check_pair, load_target
 
+        if engine not in ENGINES:
+            raise typer.BadParameter(f"{engine!r}: use {', '.join(ENGINES)}", param_hint="--engine")
         if budget == "auto":
             method, budget = "auto", None
         if budget is not None and not budget.isdigit():
@@ -147,24 +148,16 @@ def register(app: typer.Typer) -> None:
             else:
                 ids = tok(prompt, return_tensors="pt")["input_ids"][0]
         stop = [] if ignore_eos or tok is None else _stop_ids(tok, t.model)
-        if engine not in ("auto", "fast", "reference"):
-            raise typer.BadParameter(
-                f"unknown engine {engine!r}: use auto, fast or reference", param_hint="--engine"
-            )
-        if engine == "fast" or (engine == "auto" and t.device.type == "cuda"):
-            from flashdraft.decode.engine import generate as run_generate  # noqa: F811  (same signature, token-identical)
-        fast = run_generate.__module__ == "flashdraft.decode.engine"
-        if compile:
-            if not fast:
-                raise typer.BadParameter("only the fast engine compiles (a CUDA device, or --engine fast)",
-                                         param_hint="--compile")  # fmt: skip
-            run_generate = functools.partial(run_generate, compile=True)
+        try:
+            engine_name, run_generate = pick_engine(t, engine, compile)  # the same signature, token-identical
+        except ValueError as e:
+            raise typer.BadParameter(str(e)) from None
         policy = None
         if method == "auto":
             from flashdraft.decode.budget import auto_policy
 
             policy = auto_policy(
-                t, d, run_generate, engine="fast" if fast else "reference", tau_report=tau_report,
+                t, d, run_generate, engine=engine_name, tau_report=tau_report,
                 report_drafter=str(resolve_drafter_path(drafter)) if drafter else None,
             )  # fmt: skip
         res = run_generate(

@@ -19,14 +19,13 @@ prompt to prompt; the report's notes say what it ran.
 from __future__ import annotations
 
 import copy
-import functools
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 
+from flashdraft.decode.backend import pick_engine
 from flashdraft.drafter import DFlashDrafter
 from flashdraft.eval.prompts import EvalPrompt
 from flashdraft.target import TargetModel, check_pair
@@ -79,35 +78,6 @@ def parse_methods(text: str) -> list[tuple[str, int | None]]:
     return out
 
 
-def pick_engine(target: TargetModel, engine: str, compile: bool = False) -> tuple[str, Callable[..., Any]]:
-    """("reference" | "fast", its generate function); "auto" = fast on CUDA when it can run this target.
-    `compile`: the fast engine's forwards through torch.compile (`flashdraft.decode.engine.generate`)."""
-    name, gen = _pick_engine(target, engine)
-    if compile and name != "fast":
-        raise ValueError("--compile: only the fast engine compiles (a CUDA target, or --engine fast)")
-    return name, functools.partial(gen, compile=True) if compile else gen
-
-
-def _pick_engine(target: TargetModel, engine: str) -> tuple[str, Callable[..., Any]]:
-    from flashdraft.decode.generate import generate as reference
-
-    if engine == "reference" or (engine == "auto" and target.device.type != "cuda"):
-        return "reference", reference
-    try:
-        from flashdraft.decode import engine as fast
-        from flashdraft.decode.native import native_support_error
-    except ImportError as e:
-        if engine == "fast":
-            raise ValueError(f"--engine fast: the fast engine is not available ({e})") from None
-        return "reference", reference
-    why = native_support_error(target)
-    if why is not None:
-        if engine == "fast":
-            raise ValueError(f"--engine fast: {why}")
-        return "reference", reference
-    return "fast", fast.generate
-
-
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -142,7 +112,7 @@ def bench(
     elif any(m != "ar" for m, _ in todo):
         raise ValueError("chain / ddtree methods need a drafter (--drafter)")
     stop = stop_token_ids if stop_token_ids is not None else target_stop_ids(target)
-    engine_name, gen = pick_engine(target, engine, compile)
+    engine_name, gen = pick_engine(target, engine, compile)  # raises ValueError: one line
     policy = None
     if any(m == "auto" for m, _ in todo):
         from flashdraft.decode.budget import auto_policy
@@ -197,7 +167,7 @@ def bench(
     for r in rows:
         if ar is not None and r.tpot_ms > 0:
             r.speedup = ar.tpot_ms / r.tpot_ms
-    notes = ["the target's and the drafter's forwards compiled (torch.compile)"] if compile else []
+    notes = []
     if policy is not None:
         ran = ", ".join(f"{k} ×{n}" for k, n in policy.counts.items())
         cost = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in policy.seconds.items())
@@ -211,7 +181,7 @@ def bench(
                 f"({best.method}, {best.tokens_per_s:.1f})"
             )
     if engine == "fast" or (engine == "auto" and target.device.type == "cuda"):
-        if engine_name != "fast":
+        if engine_name == "reference":
             notes.append("the fast engine could not run this target: the reference engine was used")
     return BenchReport(
         target=getattr(target, "name", "target"), drafter=drafter_name, dataset=dataset,

@@ -44,6 +44,12 @@ def register(app: typer.Typer) -> None:
         ),
         device: str = typer.Option("cpu"),
         dtype: str = typer.Option("float32", help="float32 | bfloat16 | float16 | float64"),
+        engine: str = typer.Option(
+            "auto", help="auto (CUDA-graph engine on CUDA, reference decoder on CPU) | fast | reference"
+        ),
+        compile: bool = typer.Option(
+            False, "--compile", help="fast engine: forwards through torch.compile (bf16 near-ties may vary)"
+        ),
         threads: int | None = typer.Option(
             None,
             help="CPU threads for torch (on a shared CPU, 1 avoids OpenMP threads spinning against each other)",
@@ -82,6 +88,8 @@ def register(app: typer.Typer) -> None:
             max_queue=max_queue,
             timeout=timeout,
             limits=Limits(max_tokens_cap=max_tokens_cap),
+            engine=engine,
+            compile=compile,
         )
         try:
             engine = build_engine(opts)

@@ -39,6 +39,8 @@ class ServeOptions:
     max_queue: int = 16
     timeout: float = 120.0
     limits: Limits = field(default_factory=Limits)
+    engine: str = "auto"  # flashdraft.decode.backend: the CUDA-graph engine on CUDA, else the reference
+    compile: bool = False  # the fast engine's forwards through torch.compile
 
 
 def model_id_for(target: str) -> str:
@@ -62,9 +64,12 @@ def resolve_drafter(option: str | None, target: str = "default") -> str | None:
 
 def build_engine(opts: ServeOptions) -> Engine:
     """Load target and drafter, check they fit, and wrap them in a started Engine."""
+    from flashdraft.decode.backend import ENGINES, pick_engine
     from flashdraft.drafter import DFlashDrafter
     from flashdraft.target import _parse_dtype, check_pair, load_target
 
+    if opts.engine not in ENGINES:
+        raise ValueError(f"engine {opts.engine!r} is unknown: use {', '.join(ENGINES)}")
     if opts.method not in ("chain", "ddtree", "ar", "auto"):
         raise ValueError(f"method {opts.method!r} is unknown: use auto, chain, ddtree or ar")
     target = load_target(opts.target, dtype=opts.dtype, device=opts.device)
@@ -83,6 +88,8 @@ def build_engine(opts: ServeOptions) -> Engine:
         method = "ar"
     if method == "ddtree" and opts.budget is None:
         raise ValueError("method ddtree needs --budget N (tree nodes, root excluded)")
+    engine_name, generate = pick_engine(target, opts.engine, opts.compile)
+    log.info("decoding with the %s engine", engine_name)
     settings = EngineSettings(
         method=method,
         budget=opts.budget if method == "ddtree" else None,
@@ -90,8 +97,9 @@ def build_engine(opts: ServeOptions) -> Engine:
         timeout=opts.timeout,
         model_id=opts.model_id or model_id_for(opts.target),
         limits=opts.limits,
+        engine=engine_name,
     )
-    engine = Engine(target, drafter, settings)
+    engine = Engine(target, drafter, settings, generate=generate)
     engine.start()
     return engine
 

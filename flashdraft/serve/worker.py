@@ -51,6 +51,7 @@ class EngineSettings:
     timeout: float = 120.0  # seconds from arrival to the last token, queueing included
     model_id: str = "flashdraft"
     limits: Limits = field(default_factory=Limits)
+    engine: str = "reference"  # what `generate` runs (flashdraft.decode.backend): auto's costs are per engine
 
 
 # ----------------------------------------------------------------------------- events sent to a request
@@ -139,7 +140,9 @@ class Engine:
         if settings.method == "auto" and drafter is not None:
             from flashdraft.decode.budget import auto_policy
 
-            self.policy = auto_policy(target, drafter, generate, tau_report=settings.tau_report)
+            self.policy = auto_policy(
+                target, drafter, generate, engine=settings.engine, tau_report=settings.tau_report
+            )
         self.stop_ids = stop_token_ids(self.tokenizer, target.model)
         self.context_length = int(getattr(target.config, "max_position_embeddings", 0) or 2**31)
         self._queue: queue.Queue[Job] = queue.Queue(maxsize=max(settings.max_queue, 1))

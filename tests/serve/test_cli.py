@@ -86,3 +86,8 @@ def test_shipped_drafter_is_the_default_only_when_present(
     assert server.resolve_drafter(None, target="some/other-model") is None  # it only fits the default target
     assert server.model_id_for("default") == "smollm2-135m-instruct"
     assert server.model_id_for("/m/Qwen3-8B/") == "Qwen3-8B" and server.model_id_for("a/b.gguf") == "b"
+
+
+def test_serve_refuses_unknown_engine_before_loading() -> None:
+    r = runner.invoke(app, ["serve", "--engine", "turbo"])
+    assert r.exit_code != 0 and "engine 'turbo' is unknown" in r.output

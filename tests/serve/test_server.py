@@ -469,3 +469,24 @@ def test_ddtree_server_equals_generate(stack: Stack, side: Any) -> None:
     r = c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0)
     assert r.choices[0].text == engine.decode(ref.tokens)
     assert r.model_extra["flashdraft"]["method"] == "ddtree" and gate.results[0].budget == 4
+
+
+def test_fast_engine_server_equals_generate(stack: Stack) -> None:
+    """`flashdraft serve --engine fast` (the default on CUDA; here the CUDA-graph engine's phases run eagerly on the
+    CPU): the reference decoder's text, streamed or not."""
+    from flashdraft.decode.backend import pick_engine
+
+    name, gen = pick_engine(stack.target, "fast")
+    engine = Engine(stack.target, stack.drafter, EngineSettings(model_id=MODEL, engine=name), generate=gen)
+    engine.start()
+    srv = BackgroundServer(create_app(engine)).start()
+    try:
+        ref_text, _ = stack.reference(stack.engine.text_prompt(PROMPT))
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        r = c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=N, temperature=0)
+        assert r.choices[0].text == ref_text and r.model_extra["flashdraft"]["method"] == "chain"
+        chunks = c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=N, temperature=0, stream=True)
+        assert "".join(ch.choices[0].text for ch in chunks) == ref_text
+    finally:
+        srv.stop()
+        engine.stop()

@@ -1,0 +1,38 @@
+"""Which decoder runs a request: the reference decoder (transformers forwards, any target) or the CUDA-graph engine
+(`flashdraft.decode.engine`, native Llama / Qwen2 / Qwen3 / Mistral forwards). Both are lossless and take the same
+arguments; `flashdraft generate`, `bench` and `serve` pick through here.
+
+    name, generate = pick_engine(target, "auto")                 # "fast" on CUDA where it runs the target
+    name, generate = pick_engine(target, "fast", compile=True)   # "fast-compiled": forwards via torch.compile
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+ENGINES = ("auto", "fast", "reference")
+
+
+def pick_engine(target: Any, engine: str = "auto", compile: bool = False) -> tuple[str, Callable[..., Any]]:
+    """(name, its generate function). "auto": the fast engine on CUDA when it can run this target, else the
+    reference; "fast" also on a CPU (one line saying why where it cannot run the target). `compile`: the fast
+    engine's target and drafter forwards through torch.compile ("fast-compiled"; the reference refuses it)."""
+    from flashdraft.decode.generate import generate as reference
+    from flashdraft.decode.native import native_support_error
+
+    if engine not in ENGINES:
+        raise ValueError(f"--engine {engine!r}: use {', '.join(ENGINES)}")
+    why = native_support_error(target)
+    if engine == "fast" and why is not None:
+        raise ValueError(f"--engine fast: {why}")
+    if engine == "reference" or why is not None or (engine == "auto" and target.device.type != "cuda"):
+        if compile:
+            raise ValueError("--compile: only the fast engine compiles (a CUDA target, or --engine fast)")
+        return "reference", reference
+    from flashdraft.decode import engine as fast
+
+    if compile:
+        return "fast-compiled", functools.partial(fast.generate, compile=True)
+    return "fast", fast.generate
