@@ -6,6 +6,7 @@
 #      256 new tokens, τ per budget from a yardstick eval report when TAU_REPORT is given.
 #   DRAFTER=models/smollm2-135m-instruct-dflash-b16 TAU_REPORT=<report.json> bash benchmarks/gpu/call6_fast_paths.sh
 #   FORWARD_EXTRA=--inductor-deterministic …   # more forward_speed.py flags
+#   FORWARD_EXTRA="--variants compiled-drafter,compiled-overlap" BENCH_EXTRA=--compile …   # the compiled engine
 # $OUT: forward_speed.json, fast_paths.log, bench/ (bench.json, bench.md).
 set -uo pipefail
 source benchmarks/gpu/env.sh
@@ -19,6 +20,6 @@ HE=humaneval:$STAGE/HumanEval.jsonl.gz
   [ -n "${TAU_REPORT:-}" ] && tau=(--tau-report "$TAU_REPORT")
   timeout "${BENCH_TIMEOUT:-200}" python3 -m flashdraft.cli bench --target "$TARGET" --drafter "$DRAFTER" \
     --dataset "$HE" --limit "${BENCH_PROMPTS:-8}" --max-new-tokens 256 --device cuda --dtype bfloat16 \
-    --methods ar,auto,chain,ddtree:8,ddtree:32,ddtree:128,ddtree:512 "${tau[@]}" --no-progress --out "$OUT/bench" \
+    --methods ar,auto,chain,ddtree:8,ddtree:32,ddtree:128,ddtree:512 "${tau[@]}" ${BENCH_EXTRA:-} --no-progress --out "$OUT/bench" \
     2>&1 | grep -v "^Convert\|^Loading"
 } 2>&1 | tee "$OUT/fast_paths.log"

@@ -524,6 +524,24 @@ class FastEngine:
         a = host[0]
         return host[1 : a + 2], host[self.block + 2 : self.block + 2 + a]
 
+    @staticmethod
+    def _take_round(
+        result: GenerationResult,
+        committed: list[int],
+        nodes: list[int],
+        remaining: int,
+        stop: set[int],
+        on_tokens: Callable[[list[int]], bool | None] | None,
+    ) -> bool:
+        """A read round into `result` (cut at a stop token or the length, as the reference does) and on to
+        `on_tokens`; True when the generation is done."""
+        new, reason = truncate_round(committed, remaining, stop)
+        result.rounds += 1
+        result.acceptance_lengths.append(len(new))
+        if result.method == "ddtree":
+            result.tree_paths.append(nodes)
+        return deliver(result, new, reason, on_tokens)
+
     def _launch_round(self, round_fns: list[tuple[str, Callable[[], None]]], slot: int) -> None:
         """Enqueue a round's phases, then its `out` into host slot `slot` (async on CUDA)."""
         for _, fn in round_fns:
@@ -559,13 +577,9 @@ class FastEngine:
             ahead = result.prompt_tokens + n_tokens - 1 + self.block <= self.max_len
             if ahead:
                 self._launch_round(round_fns, 1 - slot)
-            committed, nodes = self._read_slot(slot)
-            new, reason = truncate_round(committed, max_new_tokens - n_tokens, stop)
-            result.rounds += 1
-            result.acceptance_lengths.append(len(new))
-            if result.method == "ddtree":
-                result.tree_paths.append(nodes)
-            done = deliver(result, new, reason, on_tokens)
+            done = self._take_round(
+                result, *self._read_slot(slot), max_new_tokens - n_tokens, stop, on_tokens
+            )
             if not done and not ahead:
                 self._launch_round(round_fns, 1 - slot)
             slot = 1 - slot
@@ -675,13 +689,7 @@ class FastEngine:
                         fn()
                         marks.append(time.perf_counter())
                 t_read = time.perf_counter()
-                committed, nodes = self._read_round()
-                new, reason = truncate_round(committed, remaining, stop)
-                result.rounds += 1
-                result.acceptance_lengths.append(len(new))
-                if method == "ddtree":
-                    result.tree_paths.append(nodes)
-                done = deliver(result, new, reason, on_tokens)
+                done = self._take_round(result, *self._read_round(), remaining, stop, on_tokens)
                 if profile:
                     host_ms = (time.perf_counter() - t_read) * 1e3
                     if timed:

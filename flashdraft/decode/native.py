@@ -12,7 +12,7 @@ is copied, so a checkpoint loaded once serves the reference decoder and this eng
     out.logits, out.features                      # [q, V], [q, k·H]
     out = native.compiled_forward(ids, positions, write_rows, allowed)   # the same through torch.compile
     dstep = NativeDrafter(drafter, target, capacity=2048 + 64)
-    logits = dstep.forward(ctx_feats, ctx_pos, block_ids, block_pos, allowed)   # [B, V]
+    logits = dstep.step(pending, n_pending, seq_len, bonus, mask_ids)   # [B, V]; compiled_step: through torch.compile
 
 Used by `flashdraft/decode/engine.py`; `tests/decode/test_engine.py` checks it against HF in float64. The
 regeneration engine's batched forward (flashdraft/data/native.py) shares the public layer primitives below
