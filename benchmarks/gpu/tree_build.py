@@ -35,7 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # phase_timing, howeve
 
 from phase_timing import median_ms  # noqa: E402  (beside this file)
 
-from flashdraft.decode.engine import TREE_COMPILE_LIMIT, DeviceTree, FastEngine, draft_top, write_tree_inputs  # noqa: E402
+from flashdraft.decode.device_tree import TREE_COMPILE_LIMIT, DeviceTree, draft_top, write_tree_inputs  # noqa: E402
+from flashdraft.decode.engine import FastEngine  # noqa: E402
 
 VARIANTS = ("eager", "compiled", "compiled_aten_sort")
 

@@ -12,8 +12,7 @@ import random
 import pytest
 import torch
 
-from flashdraft.decode.engine import (
-    FastEngine,
+from flashdraft.decode.device_tree import (
     TreeInputs,
     TreePlan,
     build_tree_device,
@@ -22,6 +21,7 @@ from flashdraft.decode.engine import (
     visibility_device,
     write_tree_inputs,
 )
+from flashdraft.decode.engine import FastEngine
 from flashdraft.decode.engine import generate as fast_generate
 from flashdraft.decode.generate import generate as reference_generate
 from flashdraft.decode.native import NativeDrafter, NativeTarget, native_support_error
