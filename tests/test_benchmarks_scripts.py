@@ -288,6 +288,7 @@ def test_forward_speed_smoke_on_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPa
         )
         assert set(res["variants"][v]["rounds"]) == {"ar", "chain", "ddtree-3"}
         assert res["variants"][v]["rounds"]["chain"]["round_ms"]["verify"] > 0
+        assert res["variants"][v]["rounds"]["chain"]["timed_round_ms"] > 0
     cmp = res["compiled_vs_eager"]
     assert cmp["ar_identical_sequences"] == cmp["of"] == 2
     for v in variants:  # the same graphs at the same state: the same tokens
