@@ -40,6 +40,22 @@ def test_overlapped_rounds_equal_the_serial_loop(family):
                 assert got.tokens == want, (method, budget, max_new, stop)
 
 
+def test_overlapped_rounds_stop_where_the_callback_cancels():
+    """`on_tokens` returning False after its third call (a client gone): the overlapped loop stops at the same round
+    as the serial one, "cancelled", with the same tokens, although it had already enqueued the round after."""
+    target = tiny_target("llama", layers=2, seed=3)
+    drafter = tiny_drafter(target, layers=1, block_size=BLOCK, seed=4)
+    overlap, serial = _engines(target, drafter, max_len=64, max_budget=15)
+    for method, budget in METHODS:
+        results = []
+        for engine in (overlap, serial):
+            calls: list[list[int]] = []
+            results.append(engine.generate([5, 9, 11], max_new_tokens=30, method=method, budget=budget,
+                                           on_tokens=lambda new, calls=calls: calls.append(new) or len(calls) < 3))  # fmt: skip
+        _same(*results, (method, budget))
+        assert results[0].stop_reason == "cancelled" and results[0].rounds == 2, (method, budget)
+
+
 def test_overlapped_rounds_stay_inside_the_caches_with_full_blocks(monkeypatch):
     """Every logit 0 (the LM head zeroed): greedy picks token 0 and the drafter, sharing the head, drafts it, so
     every chain round commits a full block. With max_len exactly prompt + max_new_tokens, a round may go ahead only while
