@@ -29,6 +29,7 @@ import json
 import os
 import shutil
 import sys
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -338,8 +339,10 @@ class OfflineSource(InProcessSource):
         self.store = store
 
     def features(self, rows: list[list[int]]) -> FeatureBatch:
+        t0 = time.perf_counter()
         docs = [[self.samples[i] for i in row] for row in rows]
         tb = pack_rows(docs, self.max_length, self.pad_multiple)
+        t1 = time.perf_counter()
         r, s = tb.input_ids.shape
         out = torch.zeros(r, s, self.store.width, dtype=_DTYPES[self.store.manifest["dtype"]])  # [R, S, k·H]
         for ri, row in enumerate(rows):
@@ -348,4 +351,5 @@ class OfflineSource(InProcessSource):
                 n = min(int(self.lengths[i]), self.max_length)
                 out[ri, at : at + n] = self.store.get(i)[:n]
                 at += n
+        self.last_host_s = {"pack": t1 - t0, "read": time.perf_counter() - t1}
         return FeatureBatch(tb.input_ids, out, tb.loss_mask, tb.position_ids, tb.doc_ids, tb.sample_ids)

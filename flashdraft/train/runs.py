@@ -269,6 +269,11 @@ def queue_health(last: dict[str, Any]) -> str:
         f"{verdict}: trainer waits {frac:.1%} of the time; queue {_num(last.get('pipeline/queue_depth'), '.1f')}"
         f"/{_num(last.get('pipeline/queue_capacity'), '.0f')} ready; producer "
         f"{_num(last.get('pipeline/producer_s_per_batch'), '.3f')} s/batch"
+        + "".join(
+            f", {k.removeprefix('pipeline/host_').removesuffix('_ms')} {v:.1f} ms"
+            for k, v in last.items()
+            if k.startswith("pipeline/host_") and isinstance(v, (int, float))
+        )
     )
 
 

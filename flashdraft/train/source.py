@@ -12,6 +12,7 @@ the same interface.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -85,6 +86,9 @@ class InProcessSource:
         self._epoch = 0
         self._position = 0  # index of the next micro-batch (in this rank's share) within the epoch
         self._plan_cache: tuple[int, list[MicroBatchPlan], np.ndarray] | None = None
+        # host seconds of the last batch's stages (packing, the target pass's launch or the disk read): read by
+        # the pipeline (flashdraft/train/pipeline.py) into pipeline/host_*_ms, to say where a starved trainer waits
+        self.last_host_s: dict[str, float] = {}
         if feature_pass not in ("hf", "native"):
             raise ValueError(f"runtime.feature_pass {feature_pass!r}: use hf or native")
         self.native: PackedTargetPass | None = None
@@ -134,6 +138,11 @@ class InProcessSource:
     def features(self, rows: list[list[int]]) -> FeatureBatch:
         """One micro-batch: rows of sample indices → packed tokens + the target's features.
         (An offline source overrides this to read the features from disk.)"""
+        t0 = time.perf_counter()
         docs = [[self.samples[i] for i in row] for row in rows]
         tokens = pack_rows(docs, self.max_length, self.pad_multiple)
-        return compute_features(self.target, tokens, self.layer_ids, self.native)
+        t1 = time.perf_counter()
+        fb = compute_features(self.target, tokens, self.layer_ids, self.native)
+        # on CUDA the target pass is launched here, not waited for
+        self.last_host_s = {"pack": t1 - t0, "target": time.perf_counter() - t1}
+        return fb

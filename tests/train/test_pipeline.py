@@ -280,3 +280,32 @@ def test_build_source_drops_the_thread_when_inline_reason_says_so(target, monkey
     assert (
         "the target runs in the trainer's thread (queue_depth 0, not 4): a reason" in capsys.readouterr().err
     )
+
+
+class _Staged(_Slow):
+    """A slow source that reports its stages' host seconds, as InProcessSource does (`last_host_s`)."""
+
+    def __iter__(self):  # noqa: ANN204
+        for b in super().__iter__():
+            self.last_host_s = {"pack": 0.002, "target": self.delay}
+            yield b
+
+
+@pytest.mark.parametrize("depth", [0, 2])
+def test_the_producers_host_stages_are_reported_and_named_in_the_warning(depth, capsys):
+    """pipeline/host_<stage>_ms: the mean host time of each stage of the inner source per batch, threaded or inline;
+    the starvation warning says them, so a starved run shows whether packing or the target pass costs the time."""
+    q = QueuedSource(_Staged(6, delay=0.03), depth=depth, starve_window=4)
+    for _ in q:
+        pass
+    s = q.take_stats()
+    assert s["pipeline/host_pack_ms"] == pytest.approx(2.0)
+    assert s["pipeline/host_target_ms"] == pytest.approx(30.0)
+    assert "host per batch: pack 2.0 ms, target 30.0 ms" in capsys.readouterr().err
+
+
+def test_the_in_process_source_times_its_stages():
+    target = tiny_target("llama", layers=2)
+    src = InProcessSource(DOCS, target, [0, 1], max_length=48, token_budget=96, epochs=1)
+    next(iter(src))
+    assert set(src.last_host_s) == {"pack", "target"} and all(v >= 0 for v in src.last_host_s.values())

@@ -20,7 +20,7 @@ from flashdraft.config import load_config
 from flashdraft.train.config import TrainConfig
 from flashdraft.train.launch import train
 from flashdraft.train.lifecycle import HEARTBEAT_FILE
-from flashdraft.train.runs import RunError, archive_run, list_runs, status_markdown, summarize
+from flashdraft.train.runs import RunError, archive_run, list_runs, queue_health, status_markdown, summarize
 from tests.conftest import tiny_target
 from tests.train.helpers import make_docs
 
@@ -169,3 +169,12 @@ def test_status_eval_table_has_every_evaluated_step_and_marks_the_best(run, tmp_
         "| 3 | 1.250 | - | - | - | deleted |",
         "| **6** | **1.750** | **2.500** | **2.750** | **1.500** | **on disk** ← best tau_chain |",
     ]
+
+
+def test_queue_health_names_the_producers_host_stages() -> None:
+    last = {"pipeline/consumer_wait_frac_window": 0.12, "pipeline/queue_depth": 0.0, "pipeline/queue_capacity": 0.0,
+            "pipeline/producer_s_per_batch": 0.0094, "pipeline/host_pack_ms": 0.8, "pipeline/host_target_ms": 8.4}  # fmt: skip
+    line = queue_health(last)
+    assert line.startswith("STARVED: trainer waits 12.0% of the time")
+    assert line.endswith("producer 0.009 s/batch, pack 0.8 ms, target 8.4 ms")
+    assert queue_health({}) == "- (no pipeline metrics)"
