@@ -182,10 +182,13 @@ class FastEngine:
         self._q: dict[int, dict[str, torch.Tensor]] = {}  # verify buffers per q
         self._tree: dict[int, dict[str, Any]] = {}  # tree buffers per budget
         self._phases: dict[tuple[Any, ...], _Phase] = {}
-        # two host copies of `out` and their events, for the overlapped loop (pinned: the copies run async)
+        # the overlapped loop's two host copies of `out` and their events (pinned on CUDA: the copies run async)
+        n_slots = 2 if overlap_rounds else 0
         pin = self.device.type == "cuda"
-        self._host_out = [torch.zeros(self.out.shape, dtype=torch.long, pin_memory=pin) for _ in range(2)]
-        self._host_ready = [torch.cuda.Event() for _ in range(2)] if pin else []
+        self._host_out = [
+            torch.zeros(self.out.shape, dtype=torch.long, pin_memory=pin) for _ in range(n_slots)
+        ]
+        self._host_ready = [torch.cuda.Event() for _ in range(n_slots)] if pin else []
 
     # -- static buffers
 
@@ -605,8 +608,9 @@ def generate(
     key = (id(target), id(drafter), compile)
     eng = _ENGINE.get("engine")
     fits = eng is not None and eng.max_len >= n + max_new_tokens
-    # AR needs no drafter: a kept engine of this target serves it, whichever drafter that engine holds
-    ar_reuse = fits and kwargs.get("method") == "ar" and _ENGINE["key"][::2] == key[::2]
+    # AR needs no drafter: a kept engine of this target (compiled alike) serves it, whichever drafter it holds
+    kept_target, _, kept_compile = _ENGINE.get("key", (None, None, None))
+    ar_reuse = fits and kwargs.get("method") == "ar" and (kept_target, kept_compile) == (id(target), compile)
     if not ar_reuse and (not fits or _ENGINE.get("key") != key):
         _ENGINE.clear()
         eng = FastEngine(target, drafter, max_len=need, compile_target=compile, compile_drafter=compile)
