@@ -501,3 +501,35 @@ def test_continue_from_reaches_the_regeneration(capsys: pytest.CaptureFixture[st
     assert cs.main(argv) == 0
     regen = _parse(json.loads(capsys.readouterr().out)["regen"])
     assert regen["continue_from"] == ["/p/s3", "/p/s4"] and (regen["max_turns"], regen["skip"]) == (8, 10240)
+
+
+def test_continue_from_a_pack_answers_from_its_unpacked_folder(tmp_path: Path) -> None:
+    """A stint's kept data is a pack in git: the regeneration continues from the folder it unpacks to under
+    WORK/prev/, unpacked before the regeneration runs."""
+    from flashdraft.data.pack import pack_dataset
+    from tests.data.test_pack import _dataset, _rows
+
+    _dataset(tmp_path / "s12")
+    pack = tmp_path / "results" / "stint-12" / "new-data.fdpack"
+    pack.parent.mkdir(parents=True)
+    pack_dataset(tmp_path / "s12", pack)
+    work = tmp_path / "w"
+    argv = ["--stint", "14", "--max-turns", "8", "--skip", "10240", "--phases", "regen", "--work", str(work),
+            "--continue-from", str(pack)]  # fmt: skip
+    cmd = cs.commands(cs.parse_args([*argv, "--dry-run"]), cs.Budget(3.0, 0.0, 0.0))
+    folder = work / "prev" / "stint-12-new-data"
+    assert _parse(cmd["regen"])["continue_from"] == [str(folder)]
+    (work / "out").mkdir(parents=True)
+    st = cs.Stint(cs.parse_args([*argv, "--out", str(work / "out")]))
+    ran: list[list[str]] = []
+
+    def run(phase: str, args: list[str], timeout_min: float) -> int:
+        assert _rows(folder) == _rows(tmp_path / "s12")  # unpacked before the regeneration starts
+        ran.append(args)
+        (work / "new").mkdir()
+        (work / "new" / "manifest.json").write_text("{}")
+        return 0
+
+    st.run = run  # type: ignore[method-assign]
+    st.regen(3.0)
+    assert _parse(ran[0])["continue_from"] == [str(folder)]

@@ -157,8 +157,8 @@ def regen_args(a: argparse.Namespace, plan: StintPlan, out: Path, minutes: float
     ]  # fmt: skip
     for spec in a.input:
         args += ["--input", check_training_input(spec)]
-    for path in a.continue_from:
-        args += ["--continue-from", path]
+    for spec in a.continue_from:  # a pack as the folder Stint.unpack puts it in
+        args += ["--continue-from", str(prev_dataset(spec, out.parent))]
     if a.limit is not None:
         args += ["--limit", str(a.limit)]
     return args
@@ -311,6 +311,7 @@ class Stint:
         new = self.work / "new"
         if "regen" in self.state["done"]:
             return
+        self.unpack(self.a.continue_from)
         t, start = time.perf_counter(), self.log_size()
         rc = self.run("regen", regen_args(self.a, stint_plan(self.a), new, minutes), minutes + 2.5)
         left = minutes - (time.perf_counter() - t) / 60
@@ -325,16 +326,21 @@ class Stint:
             raise StintError(f"regeneration failed (exit {rc}): see stint.log")
         self.state["done"].append("regen")
 
-    def merge(self) -> None:
-        if "merge" in self.state["done"]:
-            return
-        new, prev = self.work / "new", [prev_dataset(p, self.work) for p in self.a.prev_data]
-        for spec, folder in zip(self.a.prev_data, prev, strict=True):
+    def unpack(self, specs: list[str]) -> list[Path]:
+        """The dataset folders of --prev-data / --continue-from: packs unpacked under WORK/prev/ (once)."""
+        folders = [prev_dataset(p, self.work) for p in specs]
+        for spec, folder in zip(specs, folders, strict=True):
             if folder != Path(spec) and not (folder / "manifest.json").is_file():
                 from flashdraft.data.pack import unpack_dataset
 
                 unpack_dataset(spec, folder, overwrite=True)
                 self.note(f"unpacked {spec} into {folder}")
+        return folders
+
+    def merge(self) -> None:
+        if "merge" in self.state["done"]:
+            return
+        new, prev = self.work / "new", self.unpack(self.a.prev_data)
         sources = merge_sources(prev, new)
         if not sources:
             raise StintError("nothing to merge: no regeneration in this stint's folder and no --prev-data")
@@ -552,8 +558,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--continue-from", action="append", default=[],
-        help="an earlier stint's dataset (carried; repeatable): answer only the later turns of the conversations it "
-        "answered, given its answers as history (`flashdraft data regenerate --continue-from`)",
+        help="an earlier stint's dataset (a folder, or a .fdpack file that is unpacked first; repeatable): answer only "
+        "the later turns of the conversations it answered, given its answers as history (`flashdraft data "
+        "regenerate --continue-from`)",
     )  # fmt: skip
     p.add_argument(
         "--max-batch-tokens", type=int, default=2_500_000,

@@ -207,18 +207,28 @@ def target_mlp(layer: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
     return mlp.down_proj(F.silu(gate) * up)
 
 
+def gqa_mask(mask: torch.Tensor, rep: int) -> torch.Tensor:
+    """An additive mask [q, S] for `_attend` with `rep` query heads per KV head: [rep·q, S], the mask once per
+    query head of a group (made once per forward, shared by its layers)."""
+    return mask.repeat(rep, 1) if rep > 1 else mask
+
+
 def _attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """q [1, heads, q, hd] over the whole cache k/v [1, kv, S, hd]; mask [q, S] additive (`additive_mask`)."""
-    rep = q.shape[1] // k.shape[1]
-    if rep > 1:
-        # expand-then-reshape makes one copy of the cache per layer; it keeps SDPA on its fused
-        # kernels with a mask (GQA inside SDPA falls back to the math kernel for masked attention)
-        b, kv, s, hd = k.shape
-        k = k[:, :, None].expand(b, kv, rep, s, hd).reshape(b, kv * rep, s, hd)
-        v = v[:, :, None].expand(b, kv, rep, s, hd).reshape(b, kv * rep, s, hd)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[None, None], scale=scale)
+    """q [1, heads, q, hd] over the whole cache k/v [1, kv, S, hd] → [1, heads, q, hd]; mask [rep·q, S] additive
+    (`gqa_mask(additive_mask(...), rep)`, rep = heads / kv).
+
+    Grouped-query attention without copying the cache: query head h reads KV head h // rep, so the rep query
+    heads of a group are folded into the query axis ([1, kv, rep·q, hd]) and SDPA runs once per KV head. Copying
+    the cache to one K/V per query head instead costs a write of the whole capacity in every layer and step (and
+    SDPA's own GQA falls back to its math kernel under a mask)."""
+    b, heads, q_len, hd = q.shape
+    kv = k.shape[1]
+    # heads are KV-major, (group, member): member m's query t becomes row m·q + t of its group
+    folded = q.reshape(b, kv, heads // kv * q_len, hd)
+    o = F.scaled_dot_product_attention(folded, k, v, attn_mask=mask[None, None], scale=scale)
+    return o.view(b, heads, q_len, hd)
 
 
 def put_rows(cache: torch.Tensor, layers: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:
@@ -316,7 +326,7 @@ class NativeTarget:
         h = self.inner.embed_tokens(input_ids[None])  # [1, q, H]
         cos, sin = self.inner.rotary_emb(h, positions[None])  # [1, q, hd] each, computed as HF does
         cos, sin = rope_tables(cos[:, None], sin[:, None])  # [1, 1, q, hd]
-        mask = additive_mask(allowed, h.dtype)  # [q, capacity], once for every layer
+        mask = gqa_mask(additive_mask(allowed, h.dtype), self.n_heads // self.n_kv)  # once for every layer
         q_len = input_ids.shape[0]
         captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
@@ -483,7 +493,7 @@ class NativeDrafter:
         b_len = block_ids.shape[0]
         cos, sin = d.rope(positions[None], h.dtype)
         cos, sin = rope_tables(cos[:, None], sin[:, None])  # [1, 1, B, hd]
-        mask = additive_mask(allowed, h.dtype)  # [B, capacity], once for every layer
+        mask = gqa_mask(additive_mask(allowed, h.dtype), self.n_heads // self.n_kv)  # once for every layer
         for i, layer in enumerate(d.layers):
             attn = layer.self_attn
             x = rms_norm(layer.input_layernorm, h)

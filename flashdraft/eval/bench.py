@@ -43,6 +43,11 @@ class BenchRow:
     speedup: float | None  # AR TPOT / this TPOT on the same engine (None without an AR row)
     tau: float | None  # mean over prompts of the mean tokens per round (None for AR)
     identical_to_ar: int | None = None  # prompts whose tokens equal AR's (T=0 only)
+    # where the time went, from the decoders' own timings: the prefill per prompt, a decoding round, and per prompt
+    # what is neither (request checks, engine lookup and set-up, the result's assembly)
+    prefill_ms: float | None = None
+    round_ms: float | None = None
+    other_ms: float | None = None
 
 
 @dataclass
@@ -136,6 +141,7 @@ def bench(
             gen(target, drafter, p.input_ids, **warm, seed=seed)
     # prompt by prompt, every method in turn: a clock or thermal drift during the run reaches all methods alike
     seconds = dict.fromkeys(kws, 0.0)
+    parts = {label: [0.0, 0.0, 0] for label in kws}  # prefill s, decode s, rounds
     outs: dict[str, list[list[int]]] = {label: [] for label in kws}
     taus: dict[str, list[float]] = {label: [] for label in kws}
     bar = tqdm(
@@ -148,6 +154,10 @@ def bench(
             res = gen(target, drafter, p.input_ids, **kw, seed=seed)
             _sync(target.device)
             seconds[label] += time.perf_counter() - t0
+            part = parts[label]
+            part[0] += res.timings.prefill_s
+            part[1] += res.timings.decode_s
+            part[2] += res.rounds
             outs[label].append(res.tokens)
             if kw["method"] != "ar" and res.acceptance_lengths:
                 taus[label].append(res.mean_acceptance)
@@ -159,9 +169,13 @@ def bench(
         same = None
         if label != "ar" and ar_tokens is not None and temperature == 0:
             same = sum(a == b for a, b in zip(ar_tokens, outs[label], strict=True))
+        prefill_s, decode_s, rounds = parts[label]
+        n = max(len(prompts), 1)
         rows.append(BenchRow(label, engine_name, len(prompts), tokens, secs,
                              secs / tokens * 1e3 if tokens else float("nan"), tokens / secs if secs else 0.0, None,
-                             sum(taus[label]) / len(taus[label]) if taus[label] else None, same))  # fmt: skip
+                             sum(taus[label]) / len(taus[label]) if taus[label] else None, same,
+                             prefill_ms=prefill_s / n * 1e3, round_ms=decode_s / rounds * 1e3 if rounds else None,
+                             other_ms=(secs - prefill_s - decode_s) / n * 1e3))  # fmt: skip
     bar.close()
     ar = next((r for r in rows if r.method == "ar"), None)
     for r in rows:
@@ -197,15 +211,21 @@ def bench_table(report: BenchReport) -> str:
         f"({report.rows[0].prompts if report.rows else 0} prompts, {report.template}) · **engine** {report.engine} "
         f"on {report.device} ({report.dtype}) · **max_new_tokens** {report.max_new_tokens} · **T** {report.temperature:g}",
         "",
-        "| method | tokens | TPOT ms | tokens/s | speedup vs AR | τ | identical to AR |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| method | tokens | TPOT ms | tokens/s | speedup vs AR | τ | identical to AR "
+        "| prefill ms | round ms | other ms |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in report.rows:
         sp = "—" if r.speedup is None else f"{r.speedup:.2f}×"
         tau = "—" if r.tau is None else f"{r.tau:.2f}"
         same = "—" if r.identical_to_ar is None else f"{r.identical_to_ar}/{r.prompts}"
+        split = " | ".join("—" if v is None else f"{v:.2f}" for v in (r.prefill_ms, r.round_ms, r.other_ms))
         lines.append(
-            f"| {r.method} | {r.tokens} | {r.tpot_ms:.2f} | {r.tokens_per_s:.1f} | {sp} | {tau} | {same} |"
+            f"| {r.method} | {r.tokens} | {r.tpot_ms:.2f} | {r.tokens_per_s:.1f} | {sp} | {tau} | {same} | {split} |"
         )
+    lines.append(
+        "\n_prefill ms and other ms: per prompt (other: request checks, engine set-up, the result's assembly); "
+        "round ms: a decoding round, the host's reads included_"
+    )
     lines += [f"\n_{n}_" for n in report.notes]
     return "\n".join(lines) + "\n"

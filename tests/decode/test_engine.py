@@ -11,6 +11,7 @@ import random
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from flashdraft.decode.device_tree import (
     TreeInputs,
@@ -24,7 +25,14 @@ from flashdraft.decode.device_tree import (
 from flashdraft.decode.engine import FastEngine
 from flashdraft.decode.engine import generate as fast_generate
 from flashdraft.decode.generate import generate as reference_generate
-from flashdraft.decode.native import NativeDrafter, NativeTarget, native_support_error
+from flashdraft.decode.native import (
+    NativeDrafter,
+    NativeTarget,
+    _attend,
+    additive_mask,
+    gqa_mask,
+    native_support_error,
+)
 from flashdraft.drafter import DrafterCache
 from flashdraft.tree import build_tree, tree_visibility
 from tests.conftest import tiny_drafter, tiny_target
@@ -51,6 +59,26 @@ def test_native_target_matches_hf(family):
     out = native.forward(ids[11:], pos[11:], pos[11:], causal[11:], layer_ids=layer_ids)
     torch.testing.assert_close(out.logits, ref.logits[0, 11:], rtol=0, atol=1e-10)
     torch.testing.assert_close(out.features, ref.features[0, 11:], rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("heads,kv", [(9, 3), (4, 4), (8, 1)])
+def test_attend_folds_query_groups_instead_of_copying_the_cache(heads, kv):
+    # the folded grouped-query attention equals attention with the cache repeated per query head (HF's repeat_kv)
+    g = torch.Generator().manual_seed(heads)
+    q_len, cap, hd = 5, 23, 8
+    # strided, as the engine's q is
+    q = torch.randn(1, q_len, heads, hd, generator=g, dtype=torch.float64).transpose(1, 2)
+    k, v = (torch.randn(1, kv, cap, hd, generator=g, dtype=torch.float64) for _ in range(2))
+    allowed = torch.rand(q_len, cap, generator=g) < 0.6
+    allowed[:, 0] = True  # no row without a key
+    mask = additive_mask(allowed, torch.float64)
+    rep = heads // kv
+    ref = F.scaled_dot_product_attention(
+        q, k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1), attn_mask=mask, scale=0.3
+    )
+    out = _attend(q, k, v, gqa_mask(mask, rep), 0.3)
+    assert out.shape == (1, heads, q_len, hd)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
 
 
 @pytest.mark.parametrize("bias", [False, True])
