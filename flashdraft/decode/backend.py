@@ -15,6 +15,12 @@ from typing import Any
 ENGINES = ("auto", "fast", "reference")
 
 
+def check_engine_name(engine: str) -> None:
+    """ValueError (one line) unless `engine` is one of ENGINES: callers check it before loading a target."""
+    if engine not in ENGINES:
+        raise ValueError(f"--engine {engine!r}: use {', '.join(ENGINES)}")
+
+
 def pick_engine(target: Any, engine: str = "auto", compile: bool = False) -> tuple[str, Callable[..., Any]]:
     """(name, its generate function). "auto": the fast engine on CUDA when it can run this target, else the
     reference; "fast" also on a CPU (one line saying why where it cannot run the target). `compile`: the fast
@@ -22,8 +28,7 @@ def pick_engine(target: Any, engine: str = "auto", compile: bool = False) -> tup
     from flashdraft.decode.generate import generate as reference
     from flashdraft.decode.native import native_support_error
 
-    if engine not in ENGINES:
-        raise ValueError(f"--engine {engine!r}: use {', '.join(ENGINES)}")
+    check_engine_name(engine)
     why = native_support_error(target)
     if engine == "fast" and why is not None:
         raise ValueError(f"--engine fast: {why}")

@@ -85,13 +85,15 @@ def register(app: typer.Typer) -> None:
         """Generate one completion with DFlash speculative decoding and print a summary line."""
         import torch
 
-        from flashdraft.decode.backend import ENGINES, pick_engine
+        from flashdraft.decode.backend import check_engine_name, pick_engine
         from flashdraft.decode.generate import METHODS
         from flashdraft.drafter import DFlashDrafter
         from flashdraft.target import check_pair, load_target
 
-        if engine not in ENGINES:
-            raise typer.BadParameter(f"{engine!r}: use {', '.join(ENGINES)}", param_hint="--engine")
+        try:
+            check_engine_name(engine)
+        except ValueError as e:
+            raise typer.BadParameter(str(e).removeprefix("--engine "), param_hint="--engine") from None
         if budget == "auto":
             method, budget = "auto", None
         if budget is not None and not budget.isdigit():

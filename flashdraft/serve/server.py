@@ -64,12 +64,11 @@ def resolve_drafter(option: str | None, target: str = "default") -> str | None:
 
 def build_engine(opts: ServeOptions) -> Engine:
     """Load target and drafter, check they fit, and wrap them in a started Engine."""
-    from flashdraft.decode.backend import ENGINES, pick_engine
+    from flashdraft.decode.backend import check_engine_name, pick_engine
     from flashdraft.drafter import DFlashDrafter
     from flashdraft.target import _parse_dtype, check_pair, load_target
 
-    if opts.engine not in ENGINES:
-        raise ValueError(f"engine {opts.engine!r} is unknown: use {', '.join(ENGINES)}")
+    check_engine_name(opts.engine)
     if opts.method not in ("chain", "ddtree", "ar", "auto"):
         raise ValueError(f"method {opts.method!r} is unknown: use auto, chain, ddtree or ar")
     target = load_target(opts.target, dtype=opts.dtype, device=opts.device)

@@ -43,3 +43,8 @@ def test_generate_command(tmp_path):
     assert res.exit_code == 2 and "error: drafter expects a 6-layer target" in res.stderr
     res = runner.invoke(app, ["generate", "--target", str(tmp_path / "target"), "--method", "ar"])
     assert res.exit_code != 0 and "--prompt" in res.output
+
+
+def test_generate_refuses_unknown_engine_before_loading() -> None:
+    r = CliRunner().invoke(app, ["generate", "--target", "/no/such/target", "--prompt", "hi", "--engine", "turbo"])
+    assert r.exit_code == 2 and "'turbo': use auto, fast, reference" in r.output

@@ -90,4 +90,4 @@ def test_shipped_drafter_is_the_default_only_when_present(
 
 def test_serve_refuses_unknown_engine_before_loading() -> None:
     r = runner.invoke(app, ["serve", "--engine", "turbo"])
-    assert r.exit_code != 0 and "engine 'turbo' is unknown" in r.output
+    assert r.exit_code != 0 and "--engine 'turbo': use auto, fast, reference" in r.output
