@@ -443,6 +443,23 @@ def test_call6_fast_paths_times_the_forward_and_benches_auto(
     assert bench["out"] == str(out / "bench")
 
 
+def test_call8_round_cost_times_rounds_at_both_cache_sizes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = tmp_path / "gpu" / "out"
+    calls = run_script(tmp_path, "call8_round_cost.sh", DRAFTER="d")
+    assert [c[0] for c in calls[:3]] == [
+        "benchmarks/gqa_attention.py", "benchmarks/gpu/forward_speed.py", "benchmarks/gpu/forward_speed.py",
+    ]  # fmt: skip
+    small, big = (parse_script(c, monkeypatch) for c in calls[1:3])
+    assert (small.max_len, small.max_budget, big.max_len, big.max_budget) == (0, 0, 2048, 512)
+    assert str(small.out) == str(out / "forward_speed_small.json") and small.drafter == big.drafter == "d"
+    benches = [parse_cli(c[2:]) for c in calls[3:]]
+    assert [b["compile"] for b in benches] == [False, True]
+    assert all(b["methods"] == "ar,chain,ddtree:32" and b["limit"] == 8 for b in benches)
+    assert [b["out"] for b in benches] == [str(out / "bench_fast"), str(out / "bench_compiled")]
+
+
 def test_call7_stint_eval_scores_both_drafters_and_sends_one_tar(tmp_path: Path) -> None:
     out, stage, work = tmp_path / "gpu" / "out", tmp_path / "gpu" / "stage", tmp_path / "gpu" / "work"
     calls = run_script(tmp_path, "call7_stint_eval.sh", NEW="new-drafter")

@@ -379,7 +379,7 @@ def measure_variant(
         separate_projections(target)
     with patch.object(native_forward, "fuse_projections", lambda target: None) if separate else nullcontext():
         eng = FastEngine(
-            target, drafter, max_len=max_len, max_budget=args.budget, compile_target=v != "eager",
+            target, drafter, max_len=max_len, max_budget=args.max_budget or args.budget, compile_target=v != "eager",
             compile_drafter=v in ("compiled-drafter", "compiled-overlap"), overlap_rounds=v == "compiled-overlap",
         )  # fmt: skip
     results["capacity"] = eng.capacity
@@ -422,6 +422,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument(
         "--max-len", type=int, default=0, help="engine max_len (0: longest prompt + max-new-tokens + 64)"
     )
+    ap.add_argument(
+        "--max-budget", type=int, default=0,
+        help="engine max_budget (0: --budget); with --max-len 2048 and 512 the cache of `flashdraft bench`'s engine",
+    )  # fmt: skip
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", type=Path, required=True)
@@ -452,6 +456,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     results: dict[str, Any] = {
         "target": target.name, "drafter": dname, "device": dev_name, "torch": torch.__version__,
         "dtype": str(target.dtype), "block": drafter.block_size, "budget": args.budget, "max_len": max_len,
+        "max_budget": args.max_budget or args.budget,
         "prompts": len(prompts), "dataset": args.dataset or "built-in prompts", "max_new_tokens": args.max_new_tokens,
         "variants": {}, "inductor_deterministic": args.inductor_deterministic,
     }  # fmt: skip
