@@ -13,6 +13,11 @@ its features (moved to the trainer's device with a non-blocking copy) are comple
 consumer marks them used on its own stream, so the caching allocator cannot hand their memory
 back to the producer while the drafter still reads them.
 
+Starvation: `take_stats` reports the trainer's wait for each batch (host time) and, on CUDA where the producer works
+on side streams, how long the trainer's stream ran dry meanwhile (`StreamIdle`): there the host's wait overlaps
+queued device work, and only the stream's idle time costs the run anything, so it is what the warning and
+`flashdraft runs status` judge by.
+
 Resume: the producer runs ahead, so what it has produced is not what the trainer has used.
 Every queued batch carries the inner source's position right after it; `state_dict()` returns
 the position after the last batch the consumer took, and a restored source restarts the
@@ -68,6 +73,43 @@ class _Pull:
     produce_s: float
 
 
+class StreamIdle:
+    """How long the trainer's CUDA stream sat idle while the trainer waited for each batch.
+
+    An event on the trainer's stream when it asks for a batch (the device reaches it when the last step's work is
+    done) and one when it has the batch (after the stream was told to wait for the batch's features): the device
+    time between the two is time the stream ran nothing, waiting on the host to enqueue the next step or on the
+    producer's stream. Where the producer runs on side streams, this, not the host's wait, is what a slow producer
+    costs: the host's wait overlaps queued device work. Read once both events completed, so no sync.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.pending: collections.deque[tuple[Any, Any, float]] = collections.deque()  # (asked, got, cycle_s)
+
+    def _mark(self) -> Any:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def asked(self) -> Any:
+        return self._mark()
+
+    def got(self, asked: Any, cycle_s: float | None) -> None:
+        """`cycle_s`: the pull's whole cycle (None for the first, start-up: not counted)."""
+        got = self._mark()
+        if cycle_s is not None:
+            self.pending.append((asked, got, cycle_s))
+
+    def harvest(self) -> list[tuple[float, float]]:
+        """(idle seconds, cycle seconds) of every pull whose events completed, oldest first."""
+        out = []
+        while self.pending and self.pending[0][1].query():
+            asked, got, cycle_s = self.pending.popleft()
+            out.append((asked.elapsed_time(got) / 1e3, cycle_s))
+        return out
+
+
 class _Interval:
     """Consumer-side sums between two `take_stats` calls."""
 
@@ -75,6 +117,7 @@ class _Interval:
         self.start = time.perf_counter()
         self.batches = 0
         self.wait_s = 0.0
+        self.idle_s = 0.0  # the trainer's stream idle (`StreamIdle`), for the pulls read so far
         self.produce_s = 0.0
         self.depth_sum = 0
         self.host_s: dict[str, float] = {}  # summed per stage of the inner source
@@ -119,6 +162,12 @@ class QueuedSource:
         self._window: collections.deque[_Pull] = collections.deque(maxlen=starve_window)
         self._warned_at: float | None = None  # time.monotonic() of the last starvation warning
         self._last_get: float | None = None  # end of the previous pull (None: nothing pulled yet)
+        # where the producer works on side streams (its own thread, or inline one batch ahead) on CUDA: the trainer
+        # stream's idle time per pull; (idle s, cycle s) of the last `starve_window` pulls read
+        cuda = [d for d in (self.device, self.source_device) if d is not None and d.type == "cuda"]
+        side = self.depth > 0 or self.ahead == 1
+        self.stream_idle = StreamIdle(cuda[0]) if cuda and side else None
+        self._idle_window: collections.deque[tuple[float, float]] = collections.deque(maxlen=starve_window)
         self.startup_wait_s = 0.0  # the first pull waits for the first target pass: not starvation
 
     # ------------------------------------------------------------------ FeatureSource
@@ -154,6 +203,7 @@ class QueuedSource:
         try:
             while True:
                 t0 = time.perf_counter()
+                asked = self.stream_idle.asked() if self.stream_idle is not None else None
                 depth = self._queue.qsize()
                 item = self._queue.get()
                 t1 = time.perf_counter()
@@ -161,8 +211,7 @@ class QueuedSource:
                     return
                 if isinstance(item, _Error):
                     raise item.exc
-                self._consumed(item, wait=t1 - t0, depth=depth, now=t1)
-                yield self._ready(item)
+                yield self._take(item, asked, wait=t1 - t0, depth=depth, now=t1)
         finally:
             self.close()
 
@@ -241,6 +290,15 @@ class QueuedSource:
 
     # ------------------------------------------------------------------ consumer
 
+    def _take(self, item: _Item, asked: Any, *, wait: float, depth: int, now: float) -> FeatureBatch:
+        """The batch handed to the trainer, its pull recorded."""
+        cycle = now - self._last_get if self._last_get is not None else None
+        self._consumed(item, wait=wait, depth=depth, now=now)
+        fb = self._ready(item)
+        if self.stream_idle is not None:
+            self.stream_idle.got(asked, cycle)
+        return fb
+
     def _ready(self, item: _Item) -> FeatureBatch:
         fb = item.batch
         if item.event is not None and fb.features.device.type == "cuda":
@@ -271,6 +329,7 @@ class QueuedSource:
         exhausted = False
         while True:
             t0 = time.perf_counter()
+            asked = self.stream_idle.asked() if self.stream_idle is not None else None
             while not exhausted and len(pending) <= self.ahead:  # launch up to `ahead` batches past this one
                 with torch.cuda.stream(side[0]) if side else contextlib.nullcontext():
                     fb = next(it, None)
@@ -285,10 +344,24 @@ class QueuedSource:
                 return
             item = pending.popleft()
             t1 = time.perf_counter()
-            self._consumed(item, wait=t1 - t0, depth=len(pending), now=t1)
-            yield self._ready(item)
+            yield self._take(item, asked, wait=t1 - t0, depth=len(pending), now=t1)
 
     # ------------------------------------------------------------------ metrics
+
+    def _read_idle(self) -> None:
+        """The completed pulls' stream idle, into the interval and the window."""
+        if self.stream_idle is None:
+            return
+        for idle_s, cycle_s in self.stream_idle.harvest():
+            self._interval.idle_s += idle_s
+            self._idle_window.append((idle_s, cycle_s))
+
+    def window_idle_fraction(self) -> float | None:
+        """The trainer stream's idle / wall time over the window's pulls read so far (None: not measured)."""
+        if self.stream_idle is None or len(self._idle_window) < min(self.starve_window, 2):
+            return None
+        total = sum(c for _, c in self._idle_window)
+        return sum(i for i, _ in self._idle_window) / total if total > 0 else 0.0
 
     def window_wait_fraction(self) -> float:
         """Consumer wait / wall time over the last `starve_window` micro-batches (startup excluded)."""
@@ -319,10 +392,12 @@ class QueuedSource:
 
     def take_stats(self) -> dict[str, float]:
         """Pipeline metrics since the previous call (host floats); warns loudly when the trainer starves."""
+        self._read_idle()
         iv, self._interval = self._interval, _Interval()
         elapsed = max(time.perf_counter() - iv.start, 1e-9)
         n = max(iv.batches, 1)
         window = self.window_wait_fraction()
+        idle = self.window_idle_fraction()
         stats = {
             "pipeline/queue_depth": iv.depth_sum / n,  # batches ready when the trainer asked (mean)
             "pipeline/queue_capacity": float(self.depth),
@@ -333,14 +408,27 @@ class QueuedSource:
             # where the producer's time goes, host side (on CUDA the target pass is launched, not waited for)
             **{f"pipeline/host_{k}_ms": 1e3 * v / n for k, v in iv.host_s.items()},
         }
+        if self.stream_idle is not None:
+            # the pulls of this interval whose events completed (the newest may be read at the next call)
+            stats["pipeline/stream_idle_frac"] = min(1.0, iv.idle_s / elapsed)
+            if idle is not None:
+                stats["pipeline/stream_idle_frac_window"] = idle
         now = time.monotonic()
         due = self._warned_at is None or now - self._warned_at >= STARVE_WARN_EVERY_S
-        if due and len(self._window) >= min(self.starve_window, 2) and window > self.starve_threshold:
+        # with the producer on side streams the trainer's host wait overlaps queued device work: what it costs is
+        # the stream's idle time, once measured; otherwise the host wait
+        starved = idle if idle is not None else window
+        if due and len(self._window) >= min(self.starve_window, 2) and starved > self.starve_threshold:
             self._warned_at = now
+            what = (
+                f"its CUDA stream idled {idle:.1%} of the time waiting for features (its thread waited {window:.1%})"
+                if idle is not None
+                else f"it waited for features {window:.1%} of the time"
+            )
             print(
-                f"WARNING: trainer starved: it waited for features {window:.1%} of the time over the last "
-                f"{len(self._window)} micro-batches (threshold {self.starve_threshold:.0%}): "
-                f"{self.bottleneck()}{_host_split(iv.host_s, n)} (this warning: at most once a minute)",
+                f"WARNING: trainer starved: {what} over the last {len(self._window)} micro-batches (threshold "
+                f"{self.starve_threshold:.0%}): {self.bottleneck()}{_host_split(iv.host_s, n)} (this warning: at "
+                "most once a minute)",
                 file=sys.stderr,
             )
         return stats

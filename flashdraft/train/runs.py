@@ -264,9 +264,17 @@ def queue_health(last: dict[str, Any]) -> str:
     frac = last.get("pipeline/consumer_wait_frac_window", last.get("pipeline/consumer_wait_frac"))
     if not isinstance(frac, (int, float)):
         return "- (no pipeline metrics)"
-    verdict = "STARVED" if frac > STARVED else "ok"
+    # with the producer on side streams (CUDA) the host's wait overlaps queued device work: the stream's idle
+    # time is what starvation costs (flashdraft.train.pipeline.StreamIdle)
+    idle = last.get("pipeline/stream_idle_frac_window")
+    if isinstance(idle, (int, float)):
+        verdict = "STARVED" if idle > STARVED else "ok"
+        what = f"trainer's CUDA stream idle {idle:.1%} of the time, its thread waits {frac:.1%}"
+    else:
+        verdict = "STARVED" if frac > STARVED else "ok"
+        what = f"trainer waits {frac:.1%} of the time"
     return (
-        f"{verdict}: trainer waits {frac:.1%} of the time; queue {_num(last.get('pipeline/queue_depth'), '.1f')}"
+        f"{verdict}: {what}; queue {_num(last.get('pipeline/queue_depth'), '.1f')}"
         f"/{_num(last.get('pipeline/queue_capacity'), '.0f')} ready; producer "
         f"{_num(last.get('pipeline/producer_s_per_batch'), '.3f')} s/batch"
         + "".join(

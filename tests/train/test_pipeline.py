@@ -155,6 +155,51 @@ def test_the_starvation_warning_names_the_bottleneck_and_comes_at_most_once_a_mi
     assert "keeps up on average but the queue ran dry; raise pipeline.queue_depth" in q.bottleneck()
 
 
+class _FakeStreamIdle:
+    """`StreamIdle` without CUDA: each pull's stream idle is `share` of its cycle (what device events would read)."""
+
+    def __init__(self, share: float) -> None:
+        self.share, self.pending = share, []
+
+    def asked(self) -> object:
+        return object()
+
+    def got(self, asked: object, cycle_s: float | None) -> None:
+        if cycle_s is not None:
+            self.pending.append(cycle_s)
+
+    def harvest(self) -> list[tuple[float, float]]:
+        out, self.pending = [(self.share * c, c) for c in self.pending], []
+        return out
+
+
+@pytest.mark.parametrize("share", [0.0, 0.5])
+def test_with_the_producer_on_side_streams_the_stream_idle_decides_starvation(capsys, share):
+    """A host-slow producer whose batches the trainer's stream never waits for (its queued work covers the host's
+    wait, share 0) is not starvation; a stream idle half the time is, and the warning says both figures."""
+    q = QueuedSource(_Slow(8, delay=0.05), depth=2, starve_window=5)
+    q.stream_idle = _FakeStreamIdle(share)  # type: ignore[assignment]
+    for _ in q:
+        time.sleep(0.001)
+    s = q.take_stats()
+    assert s["pipeline/consumer_wait_frac_window"] > 0.5  # the host waited either way
+    assert s["pipeline/stream_idle_frac_window"] == pytest.approx(share)
+    assert s["pipeline/stream_idle_frac"] == pytest.approx(share, abs=0.1)
+    err = capsys.readouterr().err
+    if share == 0.0:
+        assert "starved" not in err
+    else:
+        assert "its CUDA stream idled 50.0% of the time waiting for features (its thread waited" in err
+
+
+def test_stream_idle_is_measured_only_where_the_producer_has_side_streams():
+    cuda = torch.device("cuda", 0)  # constructing the source touches no device
+    assert QueuedSource(_Slow(1, delay=0.0), depth=0, device="cpu").stream_idle is None
+    assert QueuedSource(_Slow(1, delay=0.0), depth=0, source_device=cuda, ahead=0).stream_idle is None
+    for kw in ({"depth": 2}, {"depth": 0, "ahead": 1}):
+        assert QueuedSource(_Slow(1, delay=0.0), source_device=cuda, **kw).stream_idle is not None
+
+
 def test_a_fed_consumer_waits_little_and_sees_a_full_queue(capsys):
     q = QueuedSource(_Slow(10, delay=0.0), depth=3, starve_window=5)
     it = iter(q)
@@ -225,6 +270,29 @@ def test_cuda_hand_off_equals_inline_batches(placement):
         assert fb.features.device == dst
         got.append((fb.features * 1).cpu())  # a kernel on the trainer's stream reads the hand-off
     assert len(got) == len(inline) and all(torch.equal(a, b) for a, b in zip(inline, got, strict=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("step_ms, starved", [(60.0, False), (4.0, True)])
+def test_stream_idle_on_gpu_separates_a_hidden_host_wait_from_an_idle_stream(step_ms, starved):
+    """Inline one batch ahead, a producer that takes 20 ms of host time per batch: under 60 ms of device work per
+    step the trainer's stream never runs dry (the host's wait is hidden), under 4 ms it idles most of the time."""
+    dev = torch.device("cuda", 0)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(10**7)
+    end.record()
+    end.synchronize()
+    cycles_per_ms = 10**7 / start.elapsed_time(end)
+    q = QueuedSource(_Slow(12, delay=0.02), depth=0, device=dev, source_device=dev, ahead=1, starve_window=10)
+    for _ in q:
+        torch.cuda._sleep(int(step_ms * cycles_per_ms))  # the drafter step's device work, queued
+    torch.cuda.synchronize()
+    s = q.take_stats()
+    assert s["pipeline/consumer_wait_frac_window"] > 0.2  # the host waited in both
+    idle = s["pipeline/stream_idle_frac_window"]
+    assert (idle > 0.5) if starved else (idle < 0.05), idle
 
 
 def test_a_compiled_call_while_another_thread_fx_traces_raises():

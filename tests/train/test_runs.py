@@ -178,3 +178,7 @@ def test_queue_health_names_the_producers_host_stages() -> None:
     assert line.startswith("STARVED: trainer waits 12.0% of the time")
     assert line.endswith("producer 0.009 s/batch, pack 0.8 ms, target 8.4 ms")
     assert queue_health({}) == "- (no pipeline metrics)"
+    # on CUDA with the producer on side streams the stream's idle time decides: a hidden host wait is fine
+    hidden = queue_health({**last, "pipeline/stream_idle_frac_window": 0.004})
+    assert hidden.startswith("ok: trainer's CUDA stream idle 0.4% of the time, its thread waits 12.0%")
+    assert queue_health({**last, "pipeline/stream_idle_frac_window": 0.3}).startswith("STARVED: trainer's CUDA")
