@@ -119,7 +119,14 @@ def test_join_unpack_record_and_curve_twice_give_the_same(
     assert (res / "stint.json").read_bytes() == (call / "stint.json").read_bytes()
     stints = tmp_path / "results" / "stints.jsonl"
     rows = [json.loads(x) for x in stints.read_text().splitlines()]
-    assert len(rows) == 1 and rows[0] == json.loads((call / "stint.json").read_text())
+    line = json.loads((call / "stint.json").read_text())
+    # the line is the stint's, plus how much of its new answers loops (`flashdraft data inspect`)
+    from flashdraft.data.dataset import open_dataset
+    from flashdraft.data.inspect import repetition_stats
+
+    rep = repetition_stats(open_dataset(str(unpacked / "new-data"), "train"))
+    assert rep.summary()["answer_tokens"] == line["new"]["loss_tokens"]
+    assert len(rows) == 1 and rows[0] == {**line, "new": {**line["new"], "repetition": rep.summary()}}
     assert "[promote] not promoted: stint 2 has no sharegpt-heldout yardstick result" in first
     png = tmp_path / "results" / "learning_curve.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -348,9 +355,11 @@ def test_promote_exports_keeps_the_card_and_regenerates_its_section(
     cells = [c.strip() for c in row.strip("|").split("|")]
     line = json.loads((tmp_path / "results" / "stints.jsonl").read_text())
     n, loss = line["new"]["samples"], line["new"]["loss_tokens"]  # the bundle's new data
-    new_cells = [f"{n:,}", f"{loss / 1e6:.2f}M", f"{n:,} / {loss / 1e6:.2f}M"]
-    assert line["promoted"] == cells[-1] and cells[5:11] == ["20", *new_cells, "350 / 0.15M", "2.50"]
-    assert cells[11] == "3.40 / 4.40"  # the yardstick's chain / best DDTree τ
+    loops = line["new"]["repetition"]
+    share = f"{loops['repeated']:.0%} / {loops['at_cap']:.0%}"
+    new_cells = [f"{n:,}", f"{loss / 1e6:.2f}M", share, f"{n:,} / {loss / 1e6:.2f}M"]
+    assert line["promoted"] == cells[-1] and cells[5:12] == ["20", *new_cells, "350 / 0.15M", "2.50"]
+    assert cells[12] == "3.40 / 4.40"  # the yardstick's chain / best DDTree τ
 
     assert ci.main([*argv, "--promote"], run_eval=_fake_eval("better", ran)) == 0  # again: nothing changes
     out = capsys.readouterr().out

@@ -91,6 +91,22 @@ class RepetitionStats:
             f"in the first {EARLY_TOKENS}, {self.share(late_r, late_t)} after); {capped}"
         )
 
+    def summary(self) -> dict[str, Any]:
+        """The shares as numbers (a stint's line in benchmarks/results/campaign/stints.jsonl)."""
+
+        def share(part: int, whole: int) -> float | None:
+            return round(part / whole, 4) if whole else None
+
+        late_t, late_r = self.tokens - self.early_tokens, self.repeated - self.early_repeated
+        return {
+            "answers": self.answers,
+            "answer_tokens": self.tokens,
+            "repeated": share(self.repeated, self.tokens),
+            f"repeated_first_{EARLY_TOKENS}": share(self.early_repeated, self.early_tokens),
+            f"repeated_after_{EARLY_TOKENS}": share(late_r, late_t),
+            "at_cap": share(self.capped, self.with_finish),
+        }
+
 
 def repetition_stats(samples: Any) -> RepetitionStats:
     """Repetition over every answer (loss run) of `samples` (a Dataset split or any iterable of Samples)."""

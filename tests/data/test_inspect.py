@@ -68,6 +68,11 @@ def test_inspect_reports_repetition_and_the_cap(tmp_path) -> None:  # noqa: ANN0
     )
     assert "2 of 5 answers (40.0%) stopped at the 20-token cap" in line
     assert "eval  repetition: - of 0 answer tokens" in text
+    assert st.summary() == {
+        "answers": 5, "answer_tokens": 190, "repeated": 0.1053, "repeated_first_96": 0.0422,
+        "repeated_after_96": 0.5417, "at_cap": 0.4,
+    }  # fmt: skip
+    assert repetition_stats([]).summary()["repeated"] is None
 
 
 def test_inspect_of_a_folder_trimmed_to_one_split(tmp_path) -> None:  # noqa: ANN001
