@@ -493,6 +493,16 @@ def test_call7_with_walks_times_the_replay_walks(tmp_path: Path, monkeypatch: py
     )
 
 
+def test_call7_benches_the_held_out_sharegpt_prompts_when_asked(tmp_path: Path) -> None:
+    out = tmp_path / "gpu" / "out"
+    calls = run_script(tmp_path, "call7_stint_eval.sh", NEW="new-drafter", BENCH_SHAREGPT="24")
+    benches = [parse_cli(c[2:]) for c in calls if c[:3] == [*FD, "bench"]]
+    assert len(benches) == 2 and benches[1]["dataset"] == "benchmarks/yardstick/sharegpt-heldout-100.jsonl"
+    assert benches[1]["limit"] == 24 and "auto" in benches[1]["methods"].split(",")
+    assert benches[1]["tau_report"] == str(out / "evals/sharegpt-heldout-100/report.json")
+    assert benches[1]["out"] == str(out / "bench" / "sharegpt")
+
+
 def test_call7_without_t1_and_bench_scores_only_the_yardstick(tmp_path: Path) -> None:
     """T1_LIMIT=0 BENCH_PROMPTS=0: the two yardstick evals alone (a call that trained first has room for no more)."""
     calls = run_script(tmp_path, "call7_stint_eval.sh", NEW="new-drafter", T1_LIMIT="0", BENCH_PROMPTS="0")

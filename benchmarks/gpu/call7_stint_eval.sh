@@ -12,7 +12,8 @@
 #      from there when its weights, the settings and the references are the same (`flashdraft eval --reuse`):
 #      REUSE=benchmarks/results/campaign/stint-4/yardstick after stint 4's drafter was shipped;
 #   T1_LIMIT=0 or BENCH_PROMPTS=0 leaves step 2 or 3 out (a call that trains first has room for step 1 only);
-#   BENCH_EXTRA=--compile benches the engine with its forwards compiled (`fast-compiled`);
+#   BENCH_EXTRA=--compile benches the engine with its forwards compiled (`fast-compiled`); BENCH_SHAREGPT=N benches
+#   the first N held-out ShareGPT yardstick prompts too (bench/sharegpt/);
 #   4. with WALKS=N: benchmarks/eval_tree_walks.py on the first N HumanEval yardstick problems (the replay's DDTree
 #      walks popped to the largest budget at every start vs only as far as asked, in one run).
 # The target is the GGUF dequantized to float32 for 1–2 (save_target.py, once per machine), bf16 for 3.
@@ -51,6 +52,15 @@ ev() {  # name, timeout, then eval flags
       --methods ar,auto,chain,ddtree:8,ddtree:32,ddtree:128,ddtree:512 --tau-report $E/humaneval-164/report.json ${BENCH_EXTRA:-} \
       --no-progress --out $OUT/bench 2>&1 | grep -v "^Convert\|^Loading"
     echo "[bench: $((SECONDS - t0)) s]"
+  fi
+  if [ "${BENCH_SHAREGPT:-0}" != 0 ]; then  # the same on the first N held-out ShareGPT yardstick prompts
+    t0=$SECONDS
+    timeout "${BENCH_TIMEOUT:-210}" python3 -m flashdraft.cli bench --target "$TARGET" --drafter $NEW \
+      --dataset benchmarks/yardstick/sharegpt-heldout-100.jsonl --limit "$BENCH_SHAREGPT" --max-new-tokens 256 \
+      --device cuda --dtype bfloat16 --methods ar,auto,chain,ddtree:8,ddtree:32,ddtree:128,ddtree:512 \
+      --tau-report $E/sharegpt-heldout-100/report.json ${BENCH_EXTRA:-} --no-progress --out $OUT/bench/sharegpt \
+      2>&1 | grep -v "^Convert\|^Loading"
+    echo "[bench sharegpt: $((SECONDS - t0)) s]"
   fi
   if [ -n "${WALKS:-}" ]; then  # the replay's DDTree walks both ways, NEW on the first WALKS HumanEval problems
     t0=$SECONDS
