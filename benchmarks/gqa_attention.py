@@ -1,12 +1,11 @@
 """The decode engine's grouped-query attention over its static cache: query groups folded into the query axis
 (`flashdraft.decode.native._attend`) against the cache copied to one K/V per query head (what the engine did
 before 2026-12-07), per cache capacity and query length, SmolLM2-135M's geometry by default (9 query heads, 3 KV
-heads, head dim 64). Median microseconds of one attention call, the two outputs' largest difference.
+heads, head dim 64). Microseconds of one attention call (a CPU's median; on CUDA the mean over `--reps` calls timed
+with events, no CUDA graph: the kernels' own cost plus their launches), the two outputs' largest difference.
 
     python benchmarks/gqa_attention.py --device cpu --threads 2
     python benchmarks/gqa_attention.py --device cuda --dtypes bfloat16 --out gqa_attention.json
-
-On CUDA each call is timed with events over `--reps` calls (no CUDA graph: the kernels' own cost plus launches).
 """
 
 from __future__ import annotations
