@@ -46,5 +46,7 @@ def test_generate_command(tmp_path):
 
 
 def test_generate_refuses_unknown_engine_before_loading() -> None:
-    r = CliRunner().invoke(app, ["generate", "--target", "/no/such/target", "--prompt", "hi", "--engine", "turbo"])
+    r = CliRunner().invoke(
+        app, ["generate", "--target", "/no/such/target", "--prompt", "hi", "--engine", "turbo"]
+    )
     assert r.exit_code == 2 and "'turbo': use auto, fast, reference" in r.output

@@ -181,4 +181,6 @@ def test_queue_health_names_the_producers_host_stages() -> None:
     # on CUDA with the producer on side streams the stream's idle time decides: a hidden host wait is fine
     hidden = queue_health({**last, "pipeline/stream_idle_frac_window": 0.004})
     assert hidden.startswith("ok: trainer's CUDA stream idle 0.4% of the time, its thread waits 12.0%")
-    assert queue_health({**last, "pipeline/stream_idle_frac_window": 0.3}).startswith("STARVED: trainer's CUDA")
+    assert queue_health({**last, "pipeline/stream_idle_frac_window": 0.3}).startswith(
+        "STARVED: trainer's CUDA"
+    )
