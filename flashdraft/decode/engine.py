@@ -160,6 +160,7 @@ class FastEngine:
         # SDPA's fused kernels want the mask's rows 16-aligned and would copy an unaligned mask in every layer
         self.capacity = -(-(max_len + self.max_q) // 16) * 16
         d_capacity = -(-(max_len + self.block) // 16) * 16
+        self.d_capacity = d_capacity
         self.native = NativeTarget(target, self.capacity)
         self.ndrafter = NativeDrafter(drafter, target, d_capacity) if drafter is not None else None
         self.layer_ids = list(drafter.target_layer_ids) if drafter is not None else []
@@ -182,6 +183,7 @@ class FastEngine:
         self._q: dict[int, dict[str, torch.Tensor]] = {}  # verify buffers per q
         self._tree: dict[int, dict[str, Any]] = {}  # tree buffers per budget
         self._phases: dict[tuple[Any, ...], _Phase] = {}
+        self._captured: set[tuple[Any, ...]] = set()  # (method, budget, params) whose every span is captured
         # the overlapped loop's two host copies of `out` and their events (pinned on CUDA: the copies run async)
         n_slots = 2 if overlap_rounds else 0
         pin = self.device.type == "cuda"
@@ -228,21 +230,49 @@ class FastEngine:
     def _phase(self, key: tuple[Any, ...], fn: Callable[[], None], sampling: bool = False) -> _Phase:
         ph = self._phases.get(key)
         if ph is None:
-            # a capture's warm-up runs the phase for real: start it from an empty state so its
-            # writes stay inside the caches (generate() resets the state after this anyway)
-            self.seq_len.zero_()
-            self.n_pending.zero_()
+            if self.cuda_graphs:
+                # a capture's warm-up runs the phase for real: start it from an empty state so its
+                # writes stay inside the caches (generate() resets the state after this anyway)
+                self.seq_len.zero_()
+                self.n_pending.zero_()
             ph = _Phase(fn, self.cuda_graphs, self.generator if sampling else None)
             self._phases[key] = ph
         return ph
 
+    # -- attention spans: a round attends over the cache rows it can see, not the whole cache
+
+    def _spans(self) -> list[int]:
+        """The target's attention spans a round may use. Under CUDA graphs a short list (a graph per span and phase,
+        all captured on a phase's first use, at an empty state): 256, 512, 1024, ... and the whole cache. A compiled
+        target forward keeps the whole cache (one compilation). Eager (no graphs): every multiple of 64."""
+        if self.compile_target:
+            return [self.capacity]
+        if self.cuda_graphs:
+            out, s = [], 256
+            while s < self.capacity:
+                out.append(s)
+                s *= 2
+            return [*out, self.capacity]
+        return list(range(64, self.capacity, 64)) + [self.capacity]
+
+    def _span(self, need: int | None) -> int:
+        """The smallest span holding `need` rows (None: the whole cache)."""
+        if need is None:
+            return self.capacity
+        spans = self._spans()
+        return next((s for s in spans if s >= need), spans[-1])
+
+    def _drafter_span(self, span: int) -> int | None:
+        """The drafter's span for a round of target span `span` (None: its whole cache, as a compiled step has)."""
+        return None if self.compile_drafter or span >= self.d_capacity else span
+
     # -- phases (fixed shapes, no host reads: each is one CUDA graph)
 
-    def _draft(self) -> None:
+    def _draft(self, span: int | None = None) -> None:
         nd = self.ndrafter
         assert nd is not None
-        step = nd.compiled_step if self.compile_drafter else nd.step
-        logits = step(self.pending, self.n_pending, self.seq_len, self.bonus, self.mask_ids)  # [B, V]
+        args = (self.pending, self.n_pending, self.seq_len, self.bonus, self.mask_ids)
+        logits = nd.compiled_step(*args) if self.compile_drafter else nd.step(*args, span=span)  # [B, V]
         self.draft_logits.copy_(logits[1:])
 
     def _chain_inputs(self) -> None:
@@ -259,11 +289,12 @@ class FastEngine:
         hops = min(self.block, budget + 1)  # depth ≤ B−1, ≤ budget
         t["write"](top_lp, top_ids, t["plan"], self.seq_len, self.bonus, self.kv_idx, hops, t["out"])
 
-    def _verify(self, q: int, params: SamplingParams, features: bool = True) -> None:
+    def _verify(self, q: int, params: SamplingParams, features: bool = True, span: int | None = None) -> None:
         b = self._qbuf(q)
         layer_ids = self.layer_ids if features and self.layer_ids else None
         forward = self.native.compiled_forward if self.compile_target else self.native.forward
-        out = forward(b["tokens"], b["positions"], b["rows"], b["allowed"], layer_ids=layer_ids)
+        allowed = b["allowed"][:, :span]  # the rows < span: every row this round may see
+        out = forward(b["tokens"], b["positions"], b["rows"], allowed, layer_ids=layer_ids)
         assert out.logits is not None
         b["choice"].copy_(choose_tokens(out.logits, params, self.generator if not params.greedy else None))
         if out.features is not None:
@@ -375,7 +406,8 @@ class FastEngine:
 
     def _decode_overlapped(
         self,
-        round_fns: list[tuple[str, Callable[[], None]]],
+        phases: Callable[[int], list[tuple[str, Callable[[], None]]]],
+        seq: int,
         result: GenerationResult,
         max_new_tokens: int,
         stop: set[int],
@@ -386,20 +418,21 @@ class FastEngine:
         the last one left, never from the host. The rounds, and so the tokens, are the serial loop's; when a
         round ends the generation, the one enqueued after it is wasted work on state nobody reads. A round is
         enqueued ahead only when it stays inside the caches whatever the unread round commits (≤ B tokens):
-        that round ends at seq_len ≤ prompt + tokens so far − 1 + B, which must be ≤ max_len."""
+        that round ends at seq_len ≤ prompt + tokens so far − 1 + B, which must be ≤ max_len. `phases(seq)`: a
+        round's phases when it starts at seq_len ≤ seq; `seq`: the seq_len the first round starts at."""
         slot = 0
-        self._launch_round(round_fns, slot)
+        self._launch_round(phases(seq), slot)
         done = False
-        while not done:
+        while not done:  # `seq`: where the unread round in `slot` started
             n_tokens = len(result.tokens)
             ahead = result.prompt_tokens + n_tokens - 1 + self.block <= self.max_len
-            if ahead:
-                self._launch_round(round_fns, 1 - slot)
-            done = self._take_round(
-                result, *self._read_slot(slot), max_new_tokens - n_tokens, stop, on_tokens
-            )
+            if ahead:  # it starts where the unread round ends: at most B past `seq`
+                self._launch_round(phases(seq + self.block), 1 - slot)
+            committed, nodes = self._read_slot(slot)
+            seq += len(committed)
+            done = self._take_round(result, committed, nodes, max_new_tokens - n_tokens, stop, on_tokens)
             if not done and not ahead:
-                self._launch_round(round_fns, 1 - slot)
+                self._launch_round(phases(seq), 1 - slot)
             slot = 1 - slot
 
     @torch.no_grad()
@@ -465,12 +498,19 @@ class FastEngine:
             return result
         if self.ndrafter is not None:
             self.ndrafter.sync_weights()  # the drafter may have been trained since the last call
-        round_fns = self._round_phases(method, budget, params)  # captures graphs on first use
+        if self.cuda_graphs:
+            self._round_phases(method, budget, params)  # captures every span's graphs on first use
+        q_round = self._round_q(method, budget)
 
-        # prefill (eager, variable length): the prompt's K/V and features, the first token
+        def phases(seq: int) -> list[tuple[str, Callable[[], None]]]:
+            """A round's phases when the committed length is at most `seq`: it attends over seq + its q rows."""
+            return self._round_phases(method, budget, params, seq + q_round)
+
+        # prefill (eager, variable length): the prompt's K/V and features, the first token; it attends over the
+        # prompt's rows (rounded up to 16 columns for SDPA's fused kernels)
         t0 = time.perf_counter()
         pos = torch.arange(n, device=self.device)
-        causal = self.kv_idx[None] <= pos[:, None]  # [n, cap]
+        causal = self.kv_idx[None, : -(-n // 16) * 16] <= pos[:, None]  # [n, ≥ n]
         out = self.native.forward(ids, pos, pos, causal, layer_ids=self.layer_ids if method != "ar" else None)
         assert out.logits is not None
         first = choose_tokens(out.logits[-1], params, self.generator if not params.greedy else None).view(1)
@@ -487,12 +527,14 @@ class FastEngine:
         prof = RoundProfile()
         timed = profile and self.device.type == "cuda"
         t_decode = time.perf_counter()
+        seq = n  # the engine's seq_len (the bonus's position), followed on the host
         if self.overlap_rounds and not profile:
             if not done:
-                self._decode_overlapped(round_fns, result, max_new_tokens, stop, on_tokens)
+                self._decode_overlapped(phases, seq, result, max_new_tokens, stop, on_tokens)
         else:  # one round at a time: launch, read, decide
             while not done:
                 remaining = max_new_tokens - len(result.tokens)
+                round_fns = phases(seq)
                 # profiled or not, the same phases (graphs) run in the same order: events or clock reads between
                 # them change no token (tests/decode/test_engine_compile.py checks it, CUDA graphs and bf16 too)
                 if timed:
@@ -507,7 +549,9 @@ class FastEngine:
                         fn()
                         marks.append(time.perf_counter())
                 t_read = time.perf_counter()
-                done = self._take_round(result, *self._read_round(), remaining, stop, on_tokens)
+                committed, nodes = self._read_round()
+                seq += len(committed)  # what the round moved seq_len by (before any stop or length cut)
+                done = self._take_round(result, committed, nodes, remaining, stop, on_tokens)
                 if profile:
                     host_ms = (time.perf_counter() - t_read) * 1e3
                     if timed:
@@ -528,31 +572,48 @@ class FastEngine:
         self.last_profile = prof
         return result
 
+    def _round_q(self, method: str, budget: int | None) -> int:
+        """The cache rows a round writes past the committed length: its verify's tokens (the drafter's block)."""
+        if method == "ar":
+            return 1
+        return max(self.block, (budget or 0) + 1)
+
     def _round_phases(
-        self, method: str, budget: int | None, params: SamplingParams
+        self, method: str, budget: int | None, params: SamplingParams, need: int | None = None
     ) -> list[tuple[str, Callable[[], None]]]:
-        """The round's phases in order, as (name, callable); graphs are captured here on first use."""
+        """The round's phases in order, as (name, callable), for a round that attends over `need` cache rows
+        (None: the whole cache). Under CUDA graphs the first use captures every span's graphs."""
+        if self.cuda_graphs and (method, budget, params) not in self._captured:
+            self._captured.add((method, budget, params))
+            for span in self._spans():  # at an empty state, before any generation uses them
+                self._phases_at(method, budget, params, span)
+        return self._phases_at(method, budget, params, self._span(need))
+
+    def _phases_at(
+        self, method: str, budget: int | None, params: SamplingParams, span: int
+    ) -> list[tuple[str, Callable[[], None]]]:
         sampling = not params.greedy
         if method == "ar":
             self._qbuf(1)
 
             def ar() -> None:
                 self._ar_inputs()
-                self._verify(1, params, features=False)
+                self._verify(1, params, features=False, span=span)
                 self._commit_ar()
 
-            return [("verify", self._phase(("ar", params), ar, sampling))]
+            return [("verify", self._phase(("ar", params, span), ar, sampling))]
         self._qbuf(self.block)
-        draft = self._phase(("draft",), self._draft)
+        d_span = self._drafter_span(span)
+        draft = self._phase(("draft", d_span), lambda: self._draft(d_span))
         if method == "chain":
 
             def verify_chain() -> None:
                 self._chain_inputs()
-                self._verify(self.block, params)
+                self._verify(self.block, params, span=span)
 
             return [
                 ("draft", draft),
-                ("verify", self._phase(("verify_chain", params), verify_chain, sampling)),
+                ("verify", self._phase(("verify_chain", params, span), verify_chain, sampling)),
                 ("commit", self._phase(("commit_chain",), self._commit_chain)),
             ]
         assert budget is not None
@@ -564,7 +625,9 @@ class FastEngine:
             (
                 "verify",
                 self._phase(
-                    ("verify", budget + 1, params), lambda: self._verify(budget + 1, params), sampling
+                    ("verify", budget + 1, params, span),
+                    lambda: self._verify(budget + 1, params, span=span),
+                    sampling,
                 ),
             ),
             ("commit", self._phase(("commit_tree", budget), lambda: self._commit_tree(budget))),

@@ -284,7 +284,7 @@ class NativeTarget:
         input_ids: torch.Tensor,  # [q] token ids
         positions: torch.Tensor,  # [q] RoPE positions
         write_rows: torch.Tensor,  # [q] cache rows that receive this forward's K/V
-        allowed: torch.Tensor,  # bool [q, capacity]: True = may attend (after this forward's writes)
+        allowed: torch.Tensor,  # bool [q, span]: may attend (after the writes); attention reads cache rows < span
         *,
         layer_ids: list[int] | None = None,
         logits: bool = True,
@@ -328,6 +328,7 @@ class NativeTarget:
         cos, sin = rope_tables(cos[:, None], sin[:, None])  # [1, 1, q, hd]
         mask = gqa_mask(additive_mask(allowed, h.dtype), self.n_heads // self.n_kv)  # once for every layer
         q_len = input_ids.shape[0]
+        span = allowed.shape[-1]  # attention reads the cache's first `span` rows (`forward`)
         captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
@@ -335,7 +336,8 @@ class NativeTarget:
                 layer, h, self.n_heads, self.n_kv, self.head_dim, cos, sin
             )  # [1, heads|kv, q, hd]
             write_kv(self.cache, i, write_rows, k[0], v[0])
-            o = _attend(q, self.cache[i, 0][None], self.cache[i, 1][None], mask, attn.scaling)
+            k_all, v_all = self.cache[i, 0, :, :span][None], self.cache[i, 1, :, :span][None]
+            o = _attend(q, k_all, v_all, mask, attn.scaling)
             o = o.transpose(1, 2).reshape(1, q_len, self.n_heads * self.head_dim)  # [1, q, heads·hd]
             h = h + attn.o_proj(o)
             h = h + target_mlp(layer, h)
@@ -441,6 +443,7 @@ class NativeDrafter:
         seq_len: torch.Tensor,  # [1] the bonus's position: the context ends right before it
         bonus: torch.Tensor,  # [1]
         mask_ids: torch.Tensor,  # [B − 1] the drafter's mask token
+        span: int | None = None,  # attend over the cache's first `span` rows (>= seq_len + B); None: all
     ) -> torch.Tensor:
         """One drafting step on device scalars, no host read: the pending context rows written (all B of
         them: rows past `n_pending` land in the block, which overwrites them), then [bonus, MASK, ...] drafted
@@ -449,7 +452,7 @@ class NativeDrafter:
         ar = torch.arange(b, device=pending.device)
         self.write_context(pending, seq_len - n_pending + ar)
         positions = seq_len + ar  # [B]
-        allowed = (self.kv_idx < seq_len + b)[None].expand(b, -1)  # [B, capacity]
+        allowed = (self.kv_idx[:span] < seq_len + b)[None].expand(b, -1)  # [B, span]
         return self.forward_block(torch.cat([bonus, mask_ids]), positions, allowed)
 
     def compiled_step(self, *args: torch.Tensor) -> torch.Tensor:
@@ -485,7 +488,7 @@ class NativeDrafter:
         self,
         block_ids: torch.Tensor,  # [B] = [bonus, MASK, ...]
         positions: torch.Tensor,  # [B] the block's positions (= its cache rows)
-        allowed: torch.Tensor,  # bool [B, capacity]: context rows before the block + the block itself
+        allowed: torch.Tensor,  # bool [B, span]: context rows before the block + the block itself
     ) -> torch.Tensor:
         """Drafter logits for every block slot, [B, V] (slot 0 included; callers drop it)."""
         d = self.drafter
@@ -494,6 +497,7 @@ class NativeDrafter:
         cos, sin = d.rope(positions[None], h.dtype)
         cos, sin = rope_tables(cos[:, None], sin[:, None])  # [1, 1, B, hd]
         mask = gqa_mask(additive_mask(allowed, h.dtype), self.n_heads // self.n_kv)  # once for every layer
+        span = allowed.shape[-1]
         for i, layer in enumerate(d.layers):
             attn = layer.self_attn
             x = rms_norm(layer.input_layernorm, h)
@@ -504,7 +508,8 @@ class NativeDrafter:
             v = attn.v_proj(x).view(1, b_len, self.n_kv, self.head_dim).transpose(1, 2)  # [1, kv, B, hd]
             q, k = _rope_qk(q, k, cos, sin)
             write_kv(self.cache, i, positions, k[0], v[0])
-            o = _attend(q, self.cache[i, 0][None], self.cache[i, 1][None], mask, 1.0 / self.head_dim**0.5)
+            k_all, v_all = self.cache[i, 0, :, :span][None], self.cache[i, 1, :, :span][None]
+            o = _attend(q, k_all, v_all, mask, 1.0 / self.head_dim**0.5)
             o = o.transpose(1, 2).reshape(1, b_len, self.n_heads * self.head_dim)  # [1, B, heads·hd]
             h = h + attn.o_proj(o)
             h = h + target_mlp(layer, h)

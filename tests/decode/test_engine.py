@@ -474,8 +474,8 @@ class OracleEngine(FastEngine):
         super().__init__(target, oracle.inner, **kw)
         self.oracle = oracle
 
-    def _draft(self) -> None:
-        super()._draft()
+    def _draft(self, span: int | None = None) -> None:
+        super()._draft(span)
         o = self.oracle
         assert int(self.bonus.item()) == o.seq[-1], "engine: the bonus is not the last committed token"
         hidden = o.greedy_hidden(tuple(o.seq)) * o.sharpness  # [B-1, H], as OracleDrafter.forward
@@ -581,6 +581,55 @@ def test_cuda_graphs_equal_eager_on_gpu():
         _same(a, b, method)
         if method == "ddtree":
             _same(compiled.generate([5, 9, 11], max_new_tokens=40, method=method, budget=budget), b, budget)
+
+
+def test_attention_spans_follow_the_sequence_and_change_no_token(monkeypatch):
+    """A round attends over the cache rows it can see (the smallest span holding the committed length and its
+    q rows), not the whole cache: a generation crossing several spans gives the tokens, acceptance and tree paths
+    of the same engine attending over the whole cache, float64, every method."""
+    target = tiny_target("qwen3", layers=3, seed=2)
+    drafter = tiny_drafter(target, layers=1, block_size=BLOCK)
+    prompt = [3 + (7 * i) % (target.vocab_size - 3) for i in range(50)]
+    spans = FastEngine(target, drafter, max_len=256, max_budget=32)
+    whole = FastEngine(target, drafter, max_len=256, max_budget=32)
+    monkeypatch.setattr(whole, "_spans", lambda: [whole.capacity])
+    for method, budget in [("ar", None), ("chain", None), ("ddtree", 8), ("ddtree", 32)]:
+        kw = dict(max_new_tokens=120, method=method, budget=budget)
+        _same(spans.generate(prompt, **kw), whole.generate(prompt, **kw), (method, budget))
+    used = {k[-1] for k in spans._phases if k[0] == "verify_chain"}
+    assert {64, 128, 192} <= used and max(used) < spans.capacity  # 50 + 120 tokens + q: never the whole cache
+    assert {k[-1] for k in whole._phases if k[0] == "verify_chain"} == {whole.capacity}
+
+
+def test_attention_span_lists():
+    target = tiny_target("llama", layers=2)
+    eng = FastEngine(target, tiny_drafter(target, layers=1, block_size=BLOCK), max_len=1000, max_budget=32)
+    assert eng.capacity == 1040 and eng._spans()[:3] == [64, 128, 192] and eng._spans()[-2:] == [1024, 1040]
+    assert (eng._span(1), eng._span(65), eng._span(1040), eng._span(None)) == (64, 128, 1040, 1040)
+    eng.cuda_graphs = True  # a graph per span and phase: a short list
+    assert eng._spans() == [256, 512, 1024, 1040] and eng._span(300) == 512
+    eng.compile_target = True  # one compilation: the whole cache
+    assert eng._spans() == [1040]
+    assert eng._drafter_span(512) == 512 and eng._drafter_span(1040) is None
+    eng.compile_drafter = True
+    assert eng._drafter_span(512) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graphs_at_every_span_equal_eager_on_gpu():
+    """Graphs captured per attention span (256, 512, whole cache), all at the phase's first use, then replayed as
+    a long generation crosses them: the eager engine's tokens (its spans are multiples of 64), float32."""
+    target = tiny_target("llama", layers=4, dtype=torch.float32)
+    target.model.cuda()
+    drafter = tiny_drafter(target, layers=1, block_size=BLOCK).cuda()
+    graphs = FastEngine(target, drafter, max_len=640, max_budget=32, cuda_graphs=True)
+    eager = FastEngine(target, drafter, max_len=640, max_budget=32, cuda_graphs=False)
+    prompt = [3 + (7 * i) % (target.vocab_size - 3) for i in range(230)]
+    for method, budget in [("ar", None), ("chain", None), ("ddtree", 32)]:
+        kw = dict(max_new_tokens=300, method=method, budget=budget)
+        _same(graphs.generate(prompt, **kw), eager.generate(prompt, **kw), method)
+    assert {k[-1] for k in graphs._phases if k[0] == "verify_chain"} == {256, 512, graphs.capacity}
 
 
 def test_phases_never_read_the_host():
