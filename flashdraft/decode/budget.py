@@ -156,6 +156,11 @@ def _device_name(device: torch.device) -> str:
     return f"cpu:{platform.machine()}:{os.cpu_count()}cores:{torch.get_num_threads()}threads"
 
 
+# bumped when an engine's round costs change (a cached calibration of the old engine would mislead `auto`):
+# 2 = 2026-12-07, the fast engine's rounds attend over their spans of the cache, not all of it
+COST_VERSION = 2
+
+
 def cost_key(target: Any, drafter: Any, engine: str, candidates: list[Choice]) -> str:
     from flashdraft.target import target_fingerprint
 
@@ -168,7 +173,13 @@ def cost_key(target: Any, drafter: Any, engine: str, candidates: list[Choice]) -
             h.update(flat[:: max(1, flat.numel() // 64)].to("cpu", torch.float64).numpy().tobytes())
     h.update(
         json.dumps(
-            [_device_name(target.device), str(target.dtype), engine, [label(c) for c in candidates]]
+            [
+                _device_name(target.device),
+                str(target.dtype),
+                engine,
+                [label(c) for c in candidates],
+                COST_VERSION,
+            ]
         ).encode()
     )
     return h.hexdigest()[:24]
