@@ -86,7 +86,9 @@ class RoundProfile:
 class _Phase:
     """A callable over static buffers, run eagerly or replayed from its CUDA graph."""
 
-    def __init__(self, fn: Callable[[], None], use_graph: bool, generator: torch.Generator | None) -> None:
+    def __init__(
+        self, fn: Callable[[], None], use_graph: bool, generator: torch.Generator | None, pool: Any = None
+    ) -> None:
         self.fn = fn
         self.graph: Any = None
         if use_graph:
@@ -99,7 +101,7 @@ class _Phase:
             g = torch.cuda.CUDAGraph()
             if generator is not None:
                 g.register_generator_state(generator)  # sampling phases draw from our seeded generator
-            with torch.cuda.graph(g):
+            with torch.cuda.graph(g, pool=pool):
                 fn()
             self.graph = g
 
@@ -184,6 +186,10 @@ class FastEngine:
         self._tree: dict[int, dict[str, Any]] = {}  # tree buffers per budget
         self._phases: dict[tuple[Any, ...], _Phase] = {}
         self._captured: set[tuple[Any, ...]] = set()  # (method, budget, params) whose every span is captured
+        # one memory pool for every phase graph: a phase leaves nothing in it (its results are copied into the
+        # static buffers above), so graphs run in any order can share the memory of their intermediates, where
+        # a pool each would hold them all at once (a span's verify graphs keep [q, V] float32 logits)
+        self._graph_pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
         # the overlapped loop's two host copies of `out` and their events (pinned on CUDA: the copies run async)
         n_slots = 2 if overlap_rounds else 0
         pin = self.device.type == "cuda"
@@ -235,7 +241,7 @@ class FastEngine:
                 # writes stay inside the caches (generate() resets the state after this anyway)
                 self.seq_len.zero_()
                 self.n_pending.zero_()
-            ph = _Phase(fn, self.cuda_graphs, self.generator if sampling else None)
+            ph = _Phase(fn, self.cuda_graphs, self.generator if sampling else None, self._graph_pool)
             self._phases[key] = ph
         return ph
 
