@@ -26,7 +26,9 @@ the reference does (generation ends at a truncated round, so the device state pa
 With `overlap_rounds=True` the next round is enqueued before that read (`_decode_overlapped`), the
 round's `out` copied to the host asynchronously, so the host's read and bookkeeping overlap the device.
 Rows of the static caches past the committed length hold stale K/V; every mask hides them and
-the next round overwrites them.
+the next round overwrites them. A round attends over the smallest span of the cache that holds the committed
+length and its own rows (`_span`), not all of it: under CUDA graphs a phase is captured once per span, at its
+first use; the host knows the committed length from the rounds it read.
 """
 
 from __future__ import annotations

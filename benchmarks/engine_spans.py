@@ -1,0 +1,95 @@
+"""What the fast engine's static cache size costs a round: the same prompts decoded by engines built for a short and
+a long `max_len`, each with its rounds attending over the rows they can see (`FastEngine._span`) and over the whole
+cache (as the engine did before 2026-12-07). Prefill ms per prompt and ms per decoding round, per method.
+
+    python benchmarks/engine_spans.py --device cpu --dtype float32 --threads 2
+    python benchmarks/engine_spans.py --target <bf16 folder> --device cuda --dtype bfloat16 --out spans.json
+
+Every engine gives the same tokens (checked: float32 and bf16 may break near-ties differently, reported).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from flashdraft.decode.engine import FastEngine  # noqa: E402
+from flashdraft.drafter import DFlashDrafter  # noqa: E402
+from flashdraft.eval.prompts import load_eval_prompts  # noqa: E402
+from flashdraft.target import load_target  # noqa: E402
+
+METHODS = [("ar", None), ("chain", None), ("ddtree", 16)]
+
+
+def measure(engine: FastEngine, prompts: list[Any], method: str, budget: int | None, n_new: int) -> dict:
+    """Prefill ms per prompt, ms per decoding round and the tokens, after one warm-up (graphs, caches)."""
+    engine.generate(prompts[0].input_ids, max_new_tokens=8, method=method, budget=budget)
+    prefill = decode = 0.0
+    rounds, tokens = 0, []
+    for p in prompts:
+        if engine.device.type == "cuda":
+            torch.cuda.synchronize()
+        res = engine.generate(p.input_ids, max_new_tokens=n_new, method=method, budget=budget)
+        prefill += res.timings.prefill_s
+        decode += res.timings.decode_s
+        rounds += res.rounds
+        tokens.append(res.tokens)
+    n = len(prompts)
+    return {"prefill_ms": 1e3 * prefill / n, "round_ms": 1e3 * decode / max(rounds, 1), "tokens": tokens}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", default="default")
+    ap.add_argument("--drafter", default="models/smollm2-135m-instruct-dflash-b16")
+    ap.add_argument("--dataset", default="humaneval")
+    ap.add_argument("--prompts", type=int, default=2)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--max-lens", default="400,2048", help="engine max_len values (the short one first)")
+    ap.add_argument("--max-budget", type=int, default=512, help="the engine's largest DDTree budget")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads on a CPU (0: torch's default)")
+    ap.add_argument("--out", type=Path, default=None)
+    a = ap.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    target = load_target(a.target, dtype=a.dtype, device=a.device)
+    drafter = DFlashDrafter.from_pretrained(a.drafter, dtype=target.dtype, device=a.device).eval()
+    prompts = load_eval_prompts(a.dataset, target, a.prompts)
+    rows, reference = [], {}
+    print(f"{a.prompts} {a.dataset} prompts x {a.max_new_tokens} tokens, {a.device} {a.dtype}")
+    print("| max_len | cache rows | attention over | method | prefill ms | round ms | same tokens |")
+    print("|---:|---:|---|---|---:|---:|---|")
+    for max_len in map(int, a.max_lens.split(",")):
+        for whole in (False, True):
+            engine = FastEngine(target, drafter, max_len=max_len, max_budget=a.max_budget)
+            if whole:  # the engine as it was: every round over the whole static cache
+                engine._spans = lambda engine=engine: [engine.capacity]  # type: ignore[method-assign]
+            for method, budget in METHODS:
+                label = method if budget is None else f"{method}:{budget}"
+                r = measure(engine, prompts, method, budget, a.max_new_tokens)
+                same = reference.setdefault(label, r["tokens"]) == r["tokens"]
+                rows.append({"max_len": max_len, "capacity": engine.capacity, "whole_cache": whole,
+                             "method": label, "prefill_ms": r["prefill_ms"], "round_ms": r["round_ms"],
+                             "same_tokens": same})  # fmt: skip
+                over = "the whole cache" if whole else "its span"
+                print(f"| {max_len} | {engine.capacity} | {over} | {label} | {r['prefill_ms']:.1f} | "
+                      f"{r['round_ms']:.2f} | {same} |")  # fmt: skip
+            del engine
+    result = {"device": a.device, "dtype": a.dtype, "torch": torch.__version__, "prompts": a.prompts,
+              "max_new_tokens": a.max_new_tokens, "rows": rows}  # fmt: skip
+    if a.out:
+        a.out.write_text(json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main()
