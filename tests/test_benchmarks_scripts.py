@@ -449,11 +449,15 @@ def test_call8_round_cost_times_rounds_at_both_cache_sizes(
     out = tmp_path / "gpu" / "out"
     calls = run_script(tmp_path, "call8_round_cost.sh", DRAFTER="d")
     assert [c[0] for c in calls[:3]] == [
-        "benchmarks/gqa_attention.py", "benchmarks/gpu/forward_speed.py", "benchmarks/gpu/forward_speed.py",
+        "benchmarks/gqa_attention.py", "benchmarks/engine_spans.py", "benchmarks/gpu/forward_speed.py",
     ]  # fmt: skip
-    small, big = (parse_script(c, monkeypatch) for c in calls[1:3])
-    assert (small.max_len, small.max_budget, big.max_len, big.max_budget) == (0, 0, 2048, 512)
-    assert str(small.out) == str(out / "forward_speed_small.json") and small.drafter == big.drafter == "d"
+    spans, big = (parse_script(c, monkeypatch) for c in calls[1:3])
+    assert (spans.device, spans.dtype, spans.drafter, str(spans.out)) == (
+        "cuda", "bfloat16", "d", str(out / "engine_spans.json")
+    )  # fmt: skip
+    assert (big.max_len, big.max_budget, big.drafter, str(big.out)) == (
+        2048, 512, "d", str(out / "forward_speed_bench.json")
+    )  # fmt: skip
     benches = [parse_cli(c[2:]) for c in calls[3:]]
     assert [b["compile"] for b in benches] == [False, True]
     assert all(b["methods"] == "ar,chain,ddtree:32" and b["limit"] == 8 for b in benches)
