@@ -20,9 +20,9 @@ quiet() { grep -v "^Convert\|^Loading\|warn"; }
 {
   timeout 30 python3 benchmarks/gqa_attention.py --device cuda --dtypes bfloat16 --queries 1,16,33,129 \
     --out "$OUT/gqa_attention.json" 2>&1 | quiet
-  timeout "${SPANS_TIMEOUT:-120}" python3 benchmarks/engine_spans.py --target "$TARGET" --drafter "$DRAFTER" \
+  timeout "${SPANS_TIMEOUT:-150}" python3 benchmarks/engine_spans.py --target "$TARGET" --drafter "$DRAFTER" \
     --dataset "$HE" --device cuda --dtype bfloat16 --out "$OUT/engine_spans.json" 2>&1 | quiet
-  timeout "${FORWARD_TIMEOUT:-190}" python3 benchmarks/gpu/forward_speed.py "$TARGET" --drafter "$DRAFTER" \
+  timeout "${FORWARD_TIMEOUT:-180}" python3 benchmarks/gpu/forward_speed.py "$TARGET" --drafter "$DRAFTER" \
     --dataset "$HE" --prompts 3 --max-new-tokens 128 --budget 32 --variants eager,compiled-drafter \
     --max-len 2048 --max-budget 512 --out "$OUT/forward_speed_bench.json" 2>&1 | quiet
   for engine in fast compiled; do
