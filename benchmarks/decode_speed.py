@@ -159,20 +159,14 @@ def shape_costs(engine: FastEngine, prompt: list[int], budgets: list[int], reps:
             times.append(a.elapsed_time(b))
         return statistics.median(times)
 
-    ph = engine._phases
-
-    def whole(kind: str, q: int | None = None):  # type: ignore[no-untyped-def]
-        """The phase of `kind` that attends over the whole cache (one is kept per attention span)."""
-        keys = [k for k in ph if k[0] == kind and (q is None or k[1] == q)]
-        return ph[max(keys, key=lambda k: float("inf") if k[-1] is None else k[-1])] if keys else None
-
-    if whole("ar") is not None:
-        out["verify_q1_ar_step"] = bench(whole("ar"))
-    out["draft_step"] = bench(whole("draft"))
-    out[f"verify_q{engine.block}_chain"] = bench(whole("verify_chain"))
+    ph, whole = engine._phases, engine.whole_cache_key  # the phases attending over the whole cache
+    if any(k[0] == "ar" for k in ph):
+        out["verify_q1_ar_step"] = bench(ph[whole("ar")])
+    out["draft_step"] = bench(ph[whole("draft")])
+    out[f"verify_q{engine.block}_chain"] = bench(ph[whole("verify_chain")])
     for b in budgets:
         out[f"tree_build_b{b}"] = bench(ph[("tree", b)])
-        out[f"verify_q{b + 1}_tree"] = bench(whole("verify", b + 1))
+        out[f"verify_q{b + 1}_tree"] = bench(ph[whole("verify", b + 1)])
     return out
 
 

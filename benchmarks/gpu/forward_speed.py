@@ -121,21 +121,14 @@ def count_kernels(engine: FastEngine, key: tuple[Any, ...]) -> int:
     return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
-def whole_cache(engine: FastEngine, kind: str, q: int | None = None) -> tuple[Any, ...]:
-    """The key of a captured phase of `kind` (a verify: of `q` tokens) that attends over the whole cache: the
-    engine keeps one per attention span (its last element; None = the drafter's whole cache)."""
-    keys = [k for k in engine._phases if k[0] == kind and (q is None or k[1] == q)]
-    return max(keys, key=lambda k: float("inf") if k[-1] is None else k[-1])
-
-
 def phase_costs(engine: FastEngine, prompt: list[int], budget: int, reps: int) -> dict[str, Any]:
     engine.generate(prompt, max_new_tokens=2, method="chain")  # a real state: prompt + 2 tokens, features
     keys = {
-        "ar_step": whole_cache(engine, "ar"),
-        f"verify_chain_q{engine.block}": whole_cache(engine, "verify_chain"),
+        "ar_step": engine.whole_cache_key("ar"),
+        f"verify_chain_q{engine.block}": engine.whole_cache_key("verify_chain"),
         f"tree_b{budget}": ("tree", budget),
-        f"verify_tree_q{budget + 1}": whole_cache(engine, "verify", budget + 1),
-        "draft": whole_cache(engine, "draft"),
+        f"verify_tree_q{budget + 1}": engine.whole_cache_key("verify", budget + 1),
+        "draft": engine.whole_cache_key("draft"),
     }
     out: dict[str, Any] = {f"{name}_ms": time_phase(engine, key, reps) for name, key in keys.items()}
     out["verify_chain_to_ar"] = out[f"verify_chain_q{engine.block}_ms"] / out["ar_step_ms"]
@@ -189,9 +182,9 @@ def stale_rows_probe(engine: FastEngine, budget: int) -> dict[str, bool]:
     scale = float(cache[:, :, :, :seq].float().std())  # garbage of the real rows' size
     seq_len, bonus = engine.seq_len.clone(), engine.bonus.clone()
     keys = {
-        "ar_step": ([whole_cache(engine, "ar")], 1),
-        "verify_chain": ([whole_cache(engine, "verify_chain")], engine.block),
-        "verify_tree": ([("tree", budget), whole_cache(engine, "verify", budget + 1)], budget + 1),
+        "ar_step": ([engine.whole_cache_key("ar")], 1),
+        "verify_chain": ([engine.whole_cache_key("verify_chain")], engine.block),
+        "verify_tree": ([("tree", budget), engine.whole_cache_key("verify", budget + 1)], budget + 1),
     }
     out = {}
     for name, (phases, q) in keys.items():

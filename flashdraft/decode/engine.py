@@ -163,10 +163,9 @@ class FastEngine:
         # a verify writes up to max_q rows past the committed length. Both caches round up to 16 columns:
         # SDPA's fused kernels want the mask's rows 16-aligned and would copy an unaligned mask in every layer
         self.capacity = -(-(max_len + self.max_q) // 16) * 16
-        d_capacity = -(-(max_len + self.block) // 16) * 16
-        self.d_capacity = d_capacity
+        self.d_capacity = -(-(max_len + self.block) // 16) * 16
         self.native = NativeTarget(target, self.capacity)
-        self.ndrafter = NativeDrafter(drafter, target, d_capacity) if drafter is not None else None
+        self.ndrafter = NativeDrafter(drafter, target, self.d_capacity) if drafter is not None else None
         self.layer_ids = list(drafter.target_layer_ids) if drafter is not None else []
         dev, long = self.device, dict(dtype=torch.long, device=self.device)
         # -- round state (device scalars): the bonus sits at position seq_len and has no K/V yet
@@ -269,6 +268,13 @@ class FastEngine:
             return self.capacity
         spans = self._spans()
         return next((s for s in spans if s >= need), spans[-1])
+
+    def whole_cache_key(self, kind: str, q: int | None = None) -> tuple[Any, ...]:
+        """The key in `_phases` of the captured phase of `kind` ("ar", "draft", "verify_chain", "verify" of `q`
+        tokens) that attends over the whole cache: one is kept per span (its last element; None = the drafter's
+        whole cache). For the benchmarks that time phases one by one."""
+        keys = [k for k in self._phases if k[0] == kind and (q is None or k[1] == q)]
+        return max(keys, key=lambda k: float("inf") if k[-1] is None else k[-1])
 
     def _drafter_span(self, span: int) -> int | None:
         """The drafter's span for a round of target span `span` (None: its whole cache, as a compiled step has)."""

@@ -216,15 +216,16 @@ def gqa_mask(mask: torch.Tensor, rep: int) -> torch.Tensor:
 def _attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """q [1, heads, q, hd] over the whole cache k/v [1, kv, S, hd] → [1, heads, q, hd]; mask [rep·q, S] additive
-    (`gqa_mask(additive_mask(...), rep)`, rep = heads / kv).
+    """q [1, heads, q, hd] over the cache k/v [1, kv, capacity, hd] → [1, heads, q, hd]; mask [rep·q, span] additive
+    (`gqa_mask(additive_mask(...), rep)`, rep = heads / kv): the cache's first `span` rows are read, no more.
 
     Grouped-query attention without copying the cache: query head h reads KV head h // rep, so the rep query
     heads of a group are folded into the query axis ([1, kv, rep·q, hd]) and SDPA runs once per KV head. Copying
     the cache to one K/V per query head instead costs a write of the whole capacity in every layer and step (and
     SDPA's own GQA falls back to its math kernel under a mask)."""
     b, heads, q_len, hd = q.shape
-    kv = k.shape[1]
+    kv, span = k.shape[1], mask.shape[-1]
+    k, v = k[:, :, :span], v[:, :, :span]
     # heads are KV-major, (group, member): member m's query t becomes row m·q + t of its group
     folded = q.reshape(b, kv, heads // kv * q_len, hd)
     o = F.scaled_dot_product_attention(folded, k, v, attn_mask=mask[None, None], scale=scale)
@@ -328,7 +329,6 @@ class NativeTarget:
         cos, sin = rope_tables(cos[:, None], sin[:, None])  # [1, 1, q, hd]
         mask = gqa_mask(additive_mask(allowed, h.dtype), self.n_heads // self.n_kv)  # once for every layer
         q_len = input_ids.shape[0]
-        span = allowed.shape[-1]  # attention reads the cache's first `span` rows (`forward`)
         captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
@@ -336,8 +336,7 @@ class NativeTarget:
                 layer, h, self.n_heads, self.n_kv, self.head_dim, cos, sin
             )  # [1, heads|kv, q, hd]
             write_kv(self.cache, i, write_rows, k[0], v[0])
-            k_all, v_all = self.cache[i, 0, :, :span][None], self.cache[i, 1, :, :span][None]
-            o = _attend(q, k_all, v_all, mask, attn.scaling)
+            o = _attend(q, self.cache[i, 0][None], self.cache[i, 1][None], mask, attn.scaling)
             o = o.transpose(1, 2).reshape(1, q_len, self.n_heads * self.head_dim)  # [1, q, heads·hd]
             h = h + attn.o_proj(o)
             h = h + target_mlp(layer, h)
@@ -497,7 +496,6 @@ class NativeDrafter:
         cos, sin = d.rope(positions[None], h.dtype)
         cos, sin = rope_tables(cos[:, None], sin[:, None])  # [1, 1, B, hd]
         mask = gqa_mask(additive_mask(allowed, h.dtype), self.n_heads // self.n_kv)  # once for every layer
-        span = allowed.shape[-1]
         for i, layer in enumerate(d.layers):
             attn = layer.self_attn
             x = rms_norm(layer.input_layernorm, h)
@@ -508,8 +506,7 @@ class NativeDrafter:
             v = attn.v_proj(x).view(1, b_len, self.n_kv, self.head_dim).transpose(1, 2)  # [1, kv, B, hd]
             q, k = _rope_qk(q, k, cos, sin)
             write_kv(self.cache, i, positions, k[0], v[0])
-            k_all, v_all = self.cache[i, 0, :, :span][None], self.cache[i, 1, :, :span][None]
-            o = _attend(q, k_all, v_all, mask, 1.0 / self.head_dim**0.5)
+            o = _attend(q, self.cache[i, 0][None], self.cache[i, 1][None], mask, 1.0 / self.head_dim**0.5)
             o = o.transpose(1, 2).reshape(1, b_len, self.n_heads * self.head_dim)  # [1, B, heads·hd]
             h = h + attn.o_proj(o)
             h = h + target_mlp(layer, h)
