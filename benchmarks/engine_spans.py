@@ -23,6 +23,7 @@ import torch  # noqa: E402
 from flashdraft.decode.engine import FastEngine  # noqa: E402
 from flashdraft.drafter import DFlashDrafter  # noqa: E402
 from flashdraft.eval.prompts import load_eval_prompts  # noqa: E402
+from flashdraft.files import atomic_write_text  # noqa: E402
 from flashdraft.target import load_target  # noqa: E402
 
 METHODS = [("ar", None), ("chain", None), ("ddtree", 16)]
@@ -57,8 +58,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--threads", type=int, default=0, help="torch threads on a CPU (0: torch's default)")
-    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--out", type=Path, default=None, help="also write the rows as JSON here")
+    ap.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     a = ap.parse_args(argv)
+    if a.out is not None and a.out.exists() and not a.overwrite:
+        raise SystemExit(f"--out {a.out} exists: pass --overwrite to replace it")
     if a.threads:
         torch.set_num_threads(a.threads)
     target = load_target(a.target, dtype=a.dtype, device=a.device)
@@ -87,7 +91,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"device": a.device, "dtype": a.dtype, "torch": torch.__version__, "prompts": a.prompts,
               "max_new_tokens": a.max_new_tokens, "rows": rows}  # fmt: skip
     if a.out:
-        a.out.write_text(json.dumps(result, indent=1))
+        atomic_write_text(a.out, json.dumps(result, indent=1))
     return result
 
 

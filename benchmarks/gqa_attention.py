@@ -15,11 +15,13 @@ import json
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from flashdraft.decode.native import _attend, additive_mask, gqa_mask
+from flashdraft.files import atomic_write_text
 
 
 def copied_cache(
@@ -88,8 +90,11 @@ def main() -> None:
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--reps", type=int, default=200)
     ap.add_argument("--threads", type=int, default=0, help="torch threads on a CPU (0: torch's default)")
-    ap.add_argument("--out", default=None, help="also write the rows as JSON here")
+    ap.add_argument("--out", type=Path, default=None, help="also write the rows as JSON here")
+    ap.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     a = ap.parse_args()
+    if a.out is not None and a.out.exists() and not a.overwrite:
+        raise SystemExit(f"--out {a.out} exists: pass --overwrite to replace it")
     if a.threads:
         torch.set_num_threads(a.threads)
     device = torch.device(a.device)
@@ -108,8 +113,9 @@ def main() -> None:
                     f"| {row['copied_us'] / row['folded_us']:.2f} | {row['max_abs_diff']:.1e} |"
                 )
     if a.out:
-        with open(a.out, "w") as f:
-            json.dump({"device": str(device), "torch": torch.__version__, "rows": rows}, f, indent=1)
+        atomic_write_text(
+            a.out, json.dumps({"device": str(device), "torch": torch.__version__, "rows": rows}, indent=1)
+        )
 
 
 if __name__ == "__main__":
