@@ -5,7 +5,7 @@
 #      (the engine's attention since 2026-12-07), bf16, 384 and 2,048 cache slots;
 #   2. benchmarks/engine_spans.py: rounds of CUDA-graph engines for max_len 400 and 2,048, attending over their
 #      spans and over the whole cache (bf16, 2 HumanEval prompts x 64 tokens);
-#   3. forward_speed.py (eager target, and target + drafting step compiled, which attend over the whole cache) at
+#   3. forward_speed.py (eager target, and target + drafting step compiled, both over spans) at
 #      bench's cache size (--max-len 2048 --max-budget 512): phases, timed rounds, tokens/s;
 #   4. `flashdraft bench` AR, chain, DDTree-32 with the engine `fast` and `fast-compiled`, 8 HumanEval problems x 256
 #      tokens: tokens/s with each method's prefill, round and other milliseconds.

@@ -250,10 +250,8 @@ class FastEngine:
 
     def _spans(self) -> list[int]:
         """The target's attention spans a round may use. Under CUDA graphs a short list (a graph per span and phase,
-        all captured on a phase's first use, at an empty state): 256, 512, 1024, ... and the whole cache. A compiled
-        target forward keeps the whole cache (one compilation). Eager (no graphs): every multiple of 64."""
-        if self.compile_target:
-            return [self.capacity]
+        all captured on a phase's first use, at an empty state): 256, 512, 1024, ... and the whole cache. Eager (no
+        graphs): every multiple of 64. A compiled forward takes the span as a symbolic size: one compilation."""
         if self.cuda_graphs:
             out, s = [], 256
             while s < self.capacity:
@@ -277,8 +275,8 @@ class FastEngine:
         return max(keys, key=lambda k: float("inf") if k[-1] is None else k[-1])
 
     def _drafter_span(self, span: int) -> int | None:
-        """The drafter's span for a round of target span `span` (None: its whole cache, as a compiled step has)."""
-        return None if self.compile_drafter or span >= self.d_capacity else span
+        """The drafter's span for a round of target span `span` (None: its whole cache)."""
+        return None if span >= self.d_capacity else span
 
     # -- phases (fixed shapes, no host reads: each is one CUDA graph)
 
@@ -286,7 +284,8 @@ class FastEngine:
         nd = self.ndrafter
         assert nd is not None
         args = (self.pending, self.n_pending, self.seq_len, self.bonus, self.mask_ids)
-        logits = nd.compiled_step(*args) if self.compile_drafter else nd.step(*args, span=span)  # [B, V]
+        step = nd.compiled_step if self.compile_drafter else nd.step
+        logits = step(*args, span=span)  # [B, V]
         self.draft_logits.copy_(logits[1:])
 
     def _chain_inputs(self) -> None:

@@ -259,6 +259,12 @@ def write_kv(cache: torch.Tensor, layer: int, rows: torch.Tensor, k: torch.Tenso
         cache[layer, 1].index_copy_(1, rows, v)
 
 
+# rows past `capacity` in the native caches that no mask ever reaches. A compiled forward takes its span (the
+# cache rows it reads) as a symbolic size; a span equal to the cache's own length would be specialised by the
+# slice `cache[..., :span, :]` and compiled a second time. With spare rows every span is shorter than the cache.
+SPARE_ROWS = 16
+
+
 class NativeTarget:
     """A static-cache forward over the HF target's own layers (batch 1)."""
 
@@ -273,10 +279,11 @@ class NativeTarget:
         self.inner = target.model.model  # LlamaModel / Qwen3Model ...: embed_tokens, layers, norm, rotary_emb
         self.layers = list(target.layers)
         self.head = HeadFP32(target.lm_head)
-        # [layers, 2 (k, v), kv_heads, capacity, head_dim]; zeros so unwritten rows are finite
+        # [layers, 2 (k, v), kv_heads, capacity + SPARE_ROWS, head_dim]; zeros so unwritten rows are finite
         self.cache = torch.zeros(
-            len(self.layers), 2, self.n_kv, capacity, self.head_dim, dtype=target.dtype, device=target.device
-        )
+            len(self.layers), 2, self.n_kv, capacity + SPARE_ROWS, self.head_dim, dtype=target.dtype,
+            device=target.device,
+        )  # fmt: skip
         self._compiled: Callable[..., tuple[torch.Tensor | None, torch.Tensor | None]] | None = None
 
     @torch.no_grad()
@@ -305,10 +312,12 @@ class NativeTarget:
         logits: bool = True,
     ) -> NativeOutput:
         """`forward` through torch.compile (`compile_native_target`): the same arguments and results, one
-        compilation per shape (q) and per (layer_ids, logits). For fixed-shape callers (the engine's
-        phases): a variable-length prefill through it would compile once per prompt length."""
+        compilation per q and per (layer_ids, logits); the span (`allowed`'s columns) is one symbolic size, so
+        every span shares it. For fixed-shape callers (the engine's phases): a variable-length prefill through
+        it would compile once per prompt length."""
         if self._compiled is None:
             self._compiled = compile_native_target(self)
+        torch._dynamo.mark_dynamic(allowed, 1)
         with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=COMPILE_RECOMPILE_LIMIT):
             out = self._compiled(input_ids, positions, write_rows, allowed, tuple(layer_ids or ()), logits)
         return NativeOutput(*out)
@@ -403,7 +412,7 @@ class NativeDrafter:
         p = next(drafter.parameters())
         n_layers = cfg.num_hidden_layers
         self.cache = torch.zeros(
-            n_layers, 2, self.n_kv, capacity, self.head_dim, dtype=p.dtype, device=p.device
+            n_layers, 2, self.n_kv, capacity + SPARE_ROWS, self.head_dim, dtype=p.dtype, device=p.device
         )
         attns = [layer.self_attn for layer in drafter.layers]
         self._weights = [w for a in attns for w in (a.k_proj.weight, a.v_proj.weight)]
@@ -447,21 +456,37 @@ class NativeDrafter:
         """One drafting step on device scalars, no host read: the pending context rows written (all B of
         them: rows past `n_pending` land in the block, which overwrites them), then [bonus, MASK, ...] drafted
         against the context before it. Logits [B, V], slot 0 included."""
+        return self._step(pending, n_pending, seq_len, bonus, mask_ids, self.kv_idx[:span])
+
+    def compiled_step(self, *args: torch.Tensor, span: int | None = None) -> torch.Tensor:
+        """`step` through torch.compile (fullgraph): one compilation, the span a symbolic size. Inductor fuses
+        the norms, RoPE, SwiGLU and the residual adds of the context write and the block's layers; the matmuls and
+        SDPA stay library calls. For the engine's drafting phase, compiled in its warm-up and captured in its CUDA
+        graph."""
+        if self._compiled is None:
+            self._compiled = torch.compile(self._step, fullgraph=True, dynamic=False)
+        rows = self.kv_idx[:span]
+        torch._dynamo.mark_dynamic(rows, 0)
+        with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=COMPILE_RECOMPILE_LIMIT):
+            return self._compiled(*args, rows)
+
+    def _step(
+        self,
+        pending: torch.Tensor,
+        n_pending: torch.Tensor,
+        seq_len: torch.Tensor,
+        bonus: torch.Tensor,
+        mask_ids: torch.Tensor,
+        rows: torch.Tensor,  # [span] the cache rows attended over: kv_idx[:span]
+    ) -> torch.Tensor:
+        """`step`'s body (callers hold no_grad), its span given as the rows it covers: a shape, symbolic under
+        torch.compile."""
         b = pending.shape[0]
         ar = torch.arange(b, device=pending.device)
         self.write_context(pending, seq_len - n_pending + ar)
         positions = seq_len + ar  # [B]
-        allowed = (self.kv_idx[:span] < seq_len + b)[None].expand(b, -1)  # [B, span]
+        allowed = (rows < seq_len + b)[None].expand(b, -1)  # [B, span]
         return self.forward_block(torch.cat([bonus, mask_ids]), positions, allowed)
-
-    def compiled_step(self, *args: torch.Tensor) -> torch.Tensor:
-        """`step` through torch.compile (fullgraph, static shapes): one compilation. Inductor fuses the norms,
-        RoPE, SwiGLU and the residual adds of the context write and the block's layers; the matmuls and SDPA stay
-        library calls. For the engine's drafting phase, compiled in its warm-up and captured in its CUDA graph."""
-        if self._compiled is None:
-            self._compiled = torch.compile(self.step, fullgraph=True, dynamic=False)
-        with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=COMPILE_RECOMPILE_LIMIT):
-            return self._compiled(*args)
 
     @torch.no_grad()
     def write_context(self, feats: torch.Tensor, positions: torch.Tensor) -> None:

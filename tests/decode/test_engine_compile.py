@@ -9,14 +9,20 @@ from typing import Any
 
 import pytest
 import torch
+from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
 from flashdraft.decode.engine import FastEngine
 from flashdraft.decode.generate import GenerationResult
 from flashdraft.decode.generate import generate as reference_generate
-from flashdraft.decode.native import NativeDrafter
+from flashdraft.decode.native import NativeDrafter, NativeTarget
 from tests.conftest import tiny_drafter, tiny_target
 from tests.decode.oracle import OracleDrafter
 from tests.decode.test_engine import BLOCK, OracleEngine, _prompt, _same
+
+
+def _compilations(fn: Callable[..., Any]) -> int:
+    """The compiled variants dynamo keeps for `fn`'s code (shared by every instance in the process)."""
+    return len(_debug_get_cache_entry_list(fn.__code__))
 
 
 def test_compile_target_is_off_by_default():
@@ -27,8 +33,9 @@ def test_compile_target_is_off_by_default():
 @pytest.mark.slow
 def test_engine_compiled_target_equals_ar():
     """float64, a mostly-right drafter (deep acceptances): AR, the chain and DDTree-7 with the compiled target
-    give greedy AR's tokens, round for round the eager engine's. Two compilations: q = 1 (logits) and
-    q = 8 (logits + features; the chain's block and the 7-node tree share it), ~1-2 minutes on 2 cores."""
+    give greedy AR's tokens, round for round the eager engine's, the rounds attending over spans of 16 to 80
+    rows. Two compilations: q = 1 (logits) and q = 8 (logits + features; the chain's block and the 7-node tree
+    share it), each serving every span; ~1-2 minutes on 2 cores."""
     target = tiny_target("llama", layers=2, seed=5)
     inner = tiny_drafter(target, layers=1, block_size=BLOCK, seed=0)
     rng = random.Random(3)
@@ -36,6 +43,8 @@ def test_engine_compiled_target_equals_ar():
     for compiled in (False, True):
         oracle = OracleDrafter(target, inner, [3], error_rate=0.3, sharpness=8.0, seed=3)
         engines[compiled] = OracleEngine(target, oracle, max_len=64, max_budget=7, compile_target=compiled)
+        engines[compiled]._spans = lambda: [16, 32, 48, 64, 80]  # capacity 80: spans the generations cross
+    before = _compilations(NativeTarget._run)
     deep = 0
     for _ in range(2):
         prompt = _prompt(rng, target.vocab_size)
@@ -53,13 +62,15 @@ def test_engine_compiled_target_equals_ar():
             deep += sum(a > 2 for a in compiled_res.acceptance_lengths) if method != "ar" else 0
     assert deep > 0
     assert engines[True].native._compiled is not None and engines[False].native._compiled is None
+    assert len({k[-1] for k in engines[True]._phases}) >= 3 and _compilations(NativeTarget._run) - before == 2
 
 
 def test_compiled_drafter_step_equals_eager():
     """float64: `NativeDrafter.compiled_step` writes the same drafter cache and gives the same logits as `step`,
-    round after round with 1..B new context rows (one compilation). To float32 precision: the drafter's norms
-    take their statistics in float32 (`drafter.RMSNorm`), a round trip inductor fuses away (measured: ≤ 8e-7);
-    a row written to the wrong place or a block that sees the wrong context would differ by O(1)."""
+    round after round with 1..B new context rows and the span moving (one compilation: the span is a symbolic
+    size). To float32 precision: the drafter's norms take their statistics in float32 (`drafter.RMSNorm`), a round
+    trip inductor fuses away (measured: ≤ 8e-7); a row written to the wrong place or a block that sees the wrong
+    context would differ by O(1)."""
     target = tiny_target("qwen3", layers=4, seed=2)
     drafter = tiny_drafter(target, layers=2, block_size=BLOCK, seed=1)
     eager, compiled = (NativeDrafter(drafter, target, capacity=64) for _ in range(2))
@@ -67,15 +78,17 @@ def test_compiled_drafter_step_equals_eager():
     feat_dim = len(drafter.target_layer_ids) * target.hidden_size
     mask_ids = torch.full((BLOCK - 1,), drafter.mask_token_id)
     seq_len = torch.tensor([3])
-    for n in (3, 1, BLOCK, 2):
+    before = _compilations(NativeDrafter._step)
+    for n, span in [(3, 16), (1, 32), (BLOCK, None), (2, 48)]:  # seq_len + B: 14, 15, 23, 25
         pending = torch.randn(BLOCK, feat_dim, generator=g, dtype=torch.float64)
         n_pending, bonus = torch.tensor([n]), torch.randint(0, target.vocab_size, (1,), generator=g)
         seq_len = seq_len + n
         args = (pending, n_pending, seq_len, bonus, mask_ids)
-        want, got = eager.step(*args), compiled.compiled_step(*args)
+        want, got = eager.step(*args, span=span), compiled.compiled_step(*args, span=span)
         torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
         torch.testing.assert_close(compiled.cache, eager.cache, rtol=0, atol=1e-5)
     assert compiled._compiled is not None and eager._compiled is None
+    assert _compilations(NativeDrafter._step) - before == 1
 
 
 def test_engine_compiled_drafter_equals_ar():
@@ -99,19 +112,26 @@ def test_engine_compiled_drafter_equals_ar():
 def test_compiled_target_inside_cuda_graphs_on_gpu():
     """On CUDA the compiled forwards (target and drafting step) are compiled in each phase's warm-up and captured in
     its graph: float32, the same tokens as the eager-forward graphs (random tiny targets have no near-ties at this
-    precision)."""
+    precision). The generations cross from the 256-row span to the 512-row one: each compiled forward serves
+    every span (one compilation per q, and one of the drafting step), a graph captured per span."""
     target = tiny_target("llama", layers=4, dtype=torch.float32)
     target.model.cuda()
     drafter = tiny_drafter(target, layers=1, block_size=BLOCK).cuda()
-    eager = FastEngine(target, drafter, max_len=96, max_budget=32)
+    eager = FastEngine(target, drafter, max_len=600, max_budget=32)
     compiled = FastEngine(
-        target, drafter, max_len=96, max_budget=32, compile_target=True, compile_drafter=True
+        target, drafter, max_len=600, max_budget=32, compile_target=True, compile_drafter=True
     )
+    prompt = [3 + (7 * i) % (target.vocab_size - 3) for i in range(230)]
+    before = _compilations(NativeTarget._run), _compilations(NativeDrafter._step)
     for method, budget in [("ar", None), ("chain", None), ("ddtree", 8), ("ddtree", 32)]:
-        a = compiled.generate([5, 9, 11], max_new_tokens=40, method=method, budget=budget)
-        b = eager.generate([5, 9, 11], max_new_tokens=40, method=method, budget=budget)
+        a = compiled.generate(prompt, max_new_tokens=40, method=method, budget=budget)
+        b = eager.generate(prompt, max_new_tokens=40, method=method, budget=budget)
         _same(a, b, (method, budget))
     assert all(ph.graph is not None for ph in compiled._phases.values())
+    assert {256, 512} <= {k[-1] for k in compiled._phases if k[0] == "verify_chain"}
+    after = _compilations(NativeTarget._run), _compilations(NativeDrafter._step)
+    # the target at q = 1, 8, 9 and 33; the drafting step
+    assert (after[0] - before[0], after[1] - before[1]) == (4, 1)
 
 
 def _scramble(engine: FastEngine, seed: int) -> None:
