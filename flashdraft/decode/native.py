@@ -229,7 +229,7 @@ def _attend(
     # heads are KV-major, (group, member): member m's query t becomes row m·q + t of its group
     folded = q.reshape(b, kv, heads // kv * q_len, hd)
     o = F.scaled_dot_product_attention(folded, k, v, attn_mask=mask[None, None], scale=scale)
-    return o.view(b, heads, q_len, hd)
+    return o.reshape(b, heads, q_len, hd)  # (a copy where SDPA returns the folded rows strided: CUDA)
 
 
 def put_rows(cache: torch.Tensor, layers: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:
