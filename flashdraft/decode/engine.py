@@ -157,6 +157,11 @@ class FastEngine:
         # launch the next round before reading this one's tokens (`_decode_overlapped`): the host's read,
         # bookkeeping and launches run while the device works; off until forward_speed.py has measured it on a GPU
         self.overlap_rounds = overlap_rounds
+        # a prefill's rows are the prompt's padded to a multiple of this: on CUDA, prompt lengths then share a
+        # few shapes, and a shape's first forward (cuBLAS's kernel choice per GEMM shape, the allocator's new
+        # blocks) is paid once per bucket rather than per prompt; elsewhere 16, SDPA's alignment (padding costs
+        # arithmetic there and buys nothing)
+        self.prefill_bucket = 64 if self.device.type == "cuda" else 16
         self.block = drafter.block_size if drafter is not None else 1
         self.max_budget = max_budget
         self.max_q = max(self.block, max_budget + 1 if drafter is not None else 1)
@@ -519,14 +524,19 @@ class FastEngine:
             """A round's phases when the committed length is at most `seq`: it attends over seq + its q rows."""
             return self._round_phases(method, budget, params, seq + q_round)
 
-        # prefill (eager, variable length): the prompt's K/V and features, the first token; it attends over the
-        # prompt's rows (rounded up to 16 columns for SDPA's fused kernels)
+        # prefill (eager): the prompt's K/V and features, the first token. The prompt is padded to
+        # `_prefill_rows(n)` rows, so that prompt lengths share a few shapes (`prefill_bucket`): the padding's K/V
+        # and drafter context land past the committed length, where every mask hides them until rounds overwrite
+        # them, and its logits are not computed
         t0 = time.perf_counter()
-        pos = torch.arange(n, device=self.device)
-        causal = self.kv_idx[None, : -(-n // 16) * 16] <= pos[:, None]  # [n, ≥ n]
-        out = self.native.forward(ids, pos, pos, causal, layer_ids=self.layer_ids if method != "ar" else None)
+        m = self._prefill_rows(n)
+        pos = torch.arange(m, device=self.device)
+        padded = torch.cat([ids, ids.new_zeros(m - n)])  # token 0: any id will do
+        causal = self.kv_idx[None, :m] <= pos[:, None]  # [m, m]
+        layer_ids = self.layer_ids if method != "ar" else None
+        out = self.native.forward(padded, pos, pos, causal, layer_ids=layer_ids, logits_row=n - 1)
         assert out.logits is not None
-        first = choose_tokens(out.logits[-1], params, self.generator if not params.greedy else None).view(1)
+        first = choose_tokens(out.logits[0], params, self.generator if not params.greedy else None).view(1)
         if method != "ar":
             assert self.ndrafter is not None and out.features is not None
             self.ndrafter.write_context(out.features, pos)
@@ -584,6 +594,12 @@ class FastEngine:
             timings.verify_s = (prof.verify_ms + prof.commit_ms) / 1e3
         self.last_profile = prof
         return result
+
+    def _prefill_rows(self, n: int) -> int:
+        """The rows a prefill of an n-token prompt runs: n rounded up to `prefill_bucket`, within both caches
+        (n + max_new_tokens <= max_len keeps it >= n)."""
+        m = -(-n // self.prefill_bucket) * self.prefill_bucket
+        return min(m, self.capacity, self.d_capacity if self.ndrafter is not None else self.capacity)
 
     def _round_q(self, method: str, budget: int | None) -> int:
         """The cache rows a round writes past the committed length: its verify's tokens (the drafter's block)."""
@@ -680,7 +696,10 @@ def generate(
 
         return reference_generate(target, drafter, input_ids, max_new_tokens=max_new_tokens, **kwargs)
     n = torch.as_tensor(input_ids).shape[-1]
-    need = max_len or max(2048, n + max_new_tokens)
+    need = max_len or 2048
+    # doubling: a run of longer prompts rebuilds it rarely
+    while max_len is None and need < n + max_new_tokens:
+        need *= 2
     key = (id(target), id(drafter), compile)
     eng = _ENGINE.get("engine")
     fits = eng is not None and eng.max_len >= n + max_new_tokens

@@ -296,9 +296,10 @@ class NativeTarget:
         *,
         layer_ids: list[int] | None = None,
         logits: bool = True,
+        logits_row: int | None = None,  # logits of this row only ([1, V]): a prefill's last real row
     ) -> NativeOutput:
         return NativeOutput(
-            *self._run(input_ids, positions, write_rows, allowed, tuple(layer_ids or ()), logits)
+            *self._run(input_ids, positions, write_rows, allowed, tuple(layer_ids or ()), logits, logits_row)
         )
 
     def compiled_forward(
@@ -330,9 +331,10 @@ class NativeTarget:
         allowed: torch.Tensor,
         layer_ids: tuple[int, ...],
         logits: bool,
+        logits_row: int | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """`forward`'s body, (logits [q, V] | None, features [q, k·H] | None): a plain tuple, which
-        torch.compile returns as it is."""
+        """`forward`'s body, (logits [q, V] (or [1, V]: `logits_row`) | None, features [q, k·H] | None): a plain
+        tuple, which torch.compile returns as it is."""
         h = self.inner.embed_tokens(input_ids[None])  # [1, q, H]
         cos, sin = self.inner.rotary_emb(h, positions[None])  # [1, q, hd] each, computed as HF does
         cos, sin = rope_tables(cos[:, None], sin[:, None])  # [1, 1, q, hd]
@@ -357,9 +359,11 @@ class NativeTarget:
             # HF's hidden_states[-1] is final-normed; TargetModel.forward matches that, so do we
             parts = [rms_norm(self.inner.norm, captured[i]) if i == last else captured[i] for i in layer_ids]
             feats = torch.cat(parts, dim=-1)[0]  # [q, k·H] in listed order
+        if logits_row is not None:
+            h = h[:, logits_row : logits_row + 1]
         out_logits = (
             self.head(rms_norm(self.inner.norm, h))[0] if logits else None
-        )  # [q, V], float32 at least
+        )  # [q, V] (or [1, V]), float32 at least
         return out_logits, feats
 
 

@@ -601,6 +601,25 @@ def test_attention_spans_follow_the_sequence_and_change_no_token(monkeypatch):
     assert {k[-1] for k in whole._phases if k[0] == "verify_chain"} == {whole.capacity}
 
 
+def test_padded_prefill_changes_no_token():
+    """The prefill runs the prompt padded to `prefill_bucket` rows (64 on CUDA): the padding's K/V and drafter
+    context sit past the committed length, hidden until rounds overwrite them. float64, prompts of several lengths
+    (one that the padding would push past the caches, clamped): the reference decoder's tokens and acceptance."""
+    target = tiny_target("qwen3", layers=3, seed=2)
+    drafter = tiny_drafter(target, layers=1, block_size=BLOCK)
+    engine = FastEngine(target, drafter, max_len=120, max_budget=16)
+    engine.prefill_bucket = 64
+    assert engine._prefill_rows(3) == 64 and engine._prefill_rows(65) == 128
+    assert engine._prefill_rows(100) == engine.d_capacity == 128  # within both caches (the target's: 144)
+    for n in (3, 40, 64, 100):
+        prompt = [3 + (11 * i) % (target.vocab_size - 3) for i in range(n)]
+        for method, budget in [("ar", None), ("chain", None), ("ddtree", 16)]:
+            got = engine.generate(prompt, max_new_tokens=20, method=method, budget=budget)
+            ref = reference_generate(target, drafter, prompt, max_new_tokens=20, method=method, budget=budget)
+            assert got.tokens == ref.tokens, (n, method)
+            assert got.acceptance_lengths == ref.acceptance_lengths, (n, method)
+
+
 def test_attention_span_lists():
     target = tiny_target("llama", layers=2)
     eng = FastEngine(target, tiny_drafter(target, layers=1, block_size=BLOCK), max_len=1000, max_budget=32)

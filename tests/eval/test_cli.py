@@ -114,6 +114,36 @@ def test_bench_on_the_fast_engine_builds_one_engine(fast_engine_builds: list[int
     assert all(r.identical_to_ar == 2 for r in rep.rows if r.method != "ar")
 
 
+def test_bench_sizes_its_engine_for_the_longest_prompt_and_rotates_the_first_method(
+    fast_engine_builds: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prompt past the default 2,048 rows does not rebuild the engine inside the timed runs (the engine is
+    built for the longest prompt in the warm-up), and each method in turn runs first on a prompt."""
+    from flashdraft.decode import engine as fast
+    from flashdraft.eval import bench as bench_mod
+    from flashdraft.eval.prompts import EvalPrompt
+
+    calls: list[tuple[int, str]] = []
+
+    def recording(target, drafter, input_ids, **kw):  # noqa: ANN001, ANN003, ANN202
+        calls.append((len(input_ids), kw["method"]))
+        return fast.generate(target, drafter, input_ids, **kw)
+
+    monkeypatch.setattr(bench_mod, "pick_engine", lambda *a: ("fast", recording))
+    target = tiny_target("qwen3")
+    long = [3 + i % 40 for i in range(2100)]
+    prompts = [
+        EvalPrompt(name, ids, "ids") for name, ids in [("a", [3, 8, 13]), ("b", [4, 8, 13, 21]), ("c", long)]
+    ]
+    rep = bench_mod.bench(target, tiny_drafter(target, seed=1), prompts, methods="ar,chain,ddtree:4",
+                          max_new_tokens=6, engine="fast", progress=False)  # fmt: skip
+    assert len(fast_engine_builds) == 1 and fast._ENGINE["engine"].max_len == 2106
+    timed = calls[3:]  # after the warm-up's three
+    assert [m for _, m in timed[::3]] == ["ar", "chain", "ddtree"]  # the first method of each prompt
+    assert [n for n, _ in timed[::3]] == [3, 4, 2100]
+    assert all(r.identical_to_ar == 3 for r in rep.rows if r.method != "ar")
+
+
 def test_bench_compile_runs_the_compiled_fast_engine(fast_engine_builds: list[int]) -> None:
     """`compile=True`: one fast engine with the target's and the drafter's forwards through torch.compile (float64:
     AR's tokens from every method, the report's engine "fast-compiled"); the reference engine refuses it in one
