@@ -98,6 +98,16 @@ class _Shard:
     offsets: np.ndarray  # [n+1] int64
     sample_ids: list[str]
     metas: list[str]
+    nbytes: int = field(init=False)  # the decoded shard's size: its arrays and strings
+
+    def __post_init__(self) -> None:
+        strings = sum(len(x) for x in self.sample_ids) + sum(len(x or "") for x in self.metas)
+        self.nbytes = self.ids.nbytes + self.mask.nbytes + self.offsets.nbytes + strings
+
+
+# decoded shards a Dataset keeps (`Dataset.cache_bytes`): a 10,000-sample shard of long chat samples decodes to
+# tens of MB, so this holds every shard of the datasets training reads
+SHARD_CACHE_BYTES = 4 << 30
 
 
 def _read_shard_table(f: Path, columns: list[str] | None = None) -> Any:
@@ -146,15 +156,16 @@ class Dataset:
         self.lengths: np.ndarray = (np.concatenate(lengths) if lengths else np.zeros(0)).astype(
             np.int64
         )  # [N]
-        self._cache: dict[int, _Shard] = {}
+        self._cache: dict[int, _Shard] = {}  # decoded shards, least recently used first
+        self.cache_bytes = SHARD_CACHE_BYTES
 
     def __len__(self) -> int:
         return int(self._starts[-1])
 
     def _shard(self, k: int) -> _Shard:
-        if k not in self._cache:
-            if len(self._cache) >= 4:  # bounded memory: keep a few decoded shards
-                self._cache.pop(next(iter(self._cache)))
+        if k in self._cache:
+            self._cache[k] = self._cache.pop(k)  # most recently used last
+        else:
             t = _read_shard_table(self.files[k])
             ids_col = t.column("input_ids").combine_chunks()
             mask_col = t.column("loss_mask").combine_chunks()
@@ -165,6 +176,11 @@ class Dataset:
                 sample_ids=t.column("id").to_pylist(),
                 metas=t.column("meta").to_pylist(),
             )
+            # bounded memory: the least recently used shards go once the decoded ones pass the budget. A budget,
+            # not a count: training reads samples in a shuffled order, so a dataset whose shards do not all fit
+            # decodes a shard (tens of ms) for nearly every sample (a count of 4 starved a 5-shard run's trainer)
+            while len(self._cache) > 1 and sum(sh.nbytes for sh in self._cache.values()) > self.cache_bytes:
+                self._cache.pop(next(iter(self._cache)))
         return self._cache[k]
 
     def __getitem__(self, i: int) -> Sample:

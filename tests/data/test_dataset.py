@@ -177,3 +177,36 @@ def test_split_key_keeps_conversation_parts_together(tmp_path):
     tr = {s.id.split("_")[0] for s in open_dataset(tmp_path / "ds", "train")}
     assert ev and tr and not ev & tr
     assert ev == {f"g{g}" for g in range(30) if split_of(f"g{g}", 0.3) == "eval"}
+
+
+def test_shuffled_reads_decode_each_shard_once_within_the_cache_budget(tmp_path, monkeypatch):
+    """Training reads samples in a shuffled order: every shard decoded once while they fit the cache's byte budget
+    (a cache of a fixed 4 shards re-decoded a shard for nearly every sample of a 5-shard dataset); past the budget
+    the least recently used shard goes, and the samples read stay right."""
+    from flashdraft.data import dataset as dataset_mod
+
+    samples = [_sample(i, n=30) for i in range(60)]
+    write_dataset(samples, tmp_path / "ds", eval_fraction=0.0, contamination_sources=(), shard_size=6)
+    decoded: list[str] = []
+    real = dataset_mod._read_shard_table
+
+    def counting(f, columns=None):  # noqa: ANN001, ANN202
+        if columns is None:
+            decoded.append(f.name)
+        return real(f, columns)
+
+    monkeypatch.setattr(dataset_mod, "_read_shard_table", counting)
+    ds = open_dataset(tmp_path / "ds")
+    assert len(ds.files) == 10
+    order = np.random.default_rng(0).permutation(len(ds))
+    by_id = {s.id: s for s in samples}
+    for i in order:
+        np.testing.assert_array_equal(ds[int(i)].input_ids, by_id[ds[int(i)].id].input_ids)
+    assert sorted(decoded) == sorted(f.name for f in ds.files)  # once each
+    decoded.clear()
+    small = open_dataset(tmp_path / "ds")
+    small.cache_bytes = 1  # room for the shard in use only
+    for i in order[:20]:
+        s = small[int(i)]
+        np.testing.assert_array_equal(s.input_ids, by_id[s.id].input_ids)
+    assert len(small._cache) == 1 and len(decoded) > len(set(decoded))
