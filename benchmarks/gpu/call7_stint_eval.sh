@@ -25,6 +25,8 @@ set -uo pipefail
 source benchmarks/gpu/env.sh
 OLD=${OLD:-models/smollm2-135m-instruct-dflash-b16}
 NEW=${NEW:?NEW=<the stint drafter folder>}
+# the shipped drafter before anything runs: a tree slimmed without models/ (slim_tree.sh aside DIR models yardstick)
+[ -f "$OLD/config.json" ] || { echo "call7: no drafter at $OLD (slim_tree.sh aside DIR models ...?)" >&2; exit 2; }
 HE=humaneval:$STAGE/HumanEval.jsonl.gz
 F32=$WORK/smollm2-fp32
 [ -f $F32/config.json ] || python3 benchmarks/gpu/save_target.py $STAGE/SmolLM2-135M-Instruct.Q4_1.gguf $F32 float32 \

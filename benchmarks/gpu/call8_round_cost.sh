@@ -28,7 +28,9 @@ quiet() { grep -v "^Convert\|^Loading\|warn"; }
   for engine in fast compiled; do
     flag=()
     [ "$engine" = compiled ] && flag=(--compile)
-    timeout "${BENCH_TIMEOUT:-80}" python3 -m flashdraft.cli bench --target "$TARGET" --drafter "$DRAFTER" \
+    limit=${BENCH_TIMEOUT:-80}
+    [ "$engine" = compiled ] && limit=${BENCH_COMPILED_TIMEOUT:-240}  # a compilation per phase first (110 s: too few)
+    timeout "$limit" python3 -m flashdraft.cli bench --target "$TARGET" --drafter "$DRAFTER" \
       --dataset "$HE" --limit 8 --max-new-tokens 256 --device cuda --dtype bfloat16 --methods ar,chain,ddtree:32 \
       "${flag[@]}" --no-progress --out "$OUT/bench_$engine" 2>&1 | quiet
   done
