@@ -318,7 +318,8 @@ class NativeTarget:
         it would compile once per prompt length."""
         if self._compiled is None:
             self._compiled = compile_native_target(self)
-        torch._dynamo.mark_dynamic(allowed, 1)
+        # maybe: should a backend specialise the span after all, it compiles per span rather than failing
+        torch._dynamo.maybe_mark_dynamic(allowed, 1)
         with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=COMPILE_RECOMPILE_LIMIT):
             out = self._compiled(input_ids, positions, write_rows, allowed, tuple(layer_ids or ()), logits)
         return NativeOutput(*out)
@@ -470,7 +471,7 @@ class NativeDrafter:
         if self._compiled is None:
             self._compiled = torch.compile(self._step, fullgraph=True, dynamic=False)
         rows = self.kv_idx[:span]
-        torch._dynamo.mark_dynamic(rows, 0)
+        torch._dynamo.maybe_mark_dynamic(rows, 0)
         with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=COMPILE_RECOMPILE_LIMIT):
             return self._compiled(*args, rows)
 
