@@ -1,6 +1,8 @@
 """What the fast engine's static cache size costs a round: the same prompts decoded by engines built for a short and
 a long `max_len`, each with its rounds attending over the rows they can see (`FastEngine._span`) and over the whole
-cache (as the engine did before 2026-12-07). Prefill ms per prompt and ms per decoding round, per method.
+cache (as the engine did before 2026-12-07), and on CUDA with the prefill as a CUDA graph per power-of-two row count
+(`FastEngine(graph_prefill=True)`). Prefill ms per prompt and ms per decoding round, per method, after a warm-up on
+every prompt (each prompt length's first forward pays for its shapes once).
 
     python benchmarks/engine_spans.py --device cpu --dtype float32 --threads 2
     python benchmarks/engine_spans.py --target <bf16 folder> --device cuda --dtype bfloat16 --out spans.json
@@ -30,8 +32,10 @@ METHODS = [("ar", None), ("chain", None), ("ddtree", 16)]
 
 
 def measure(engine: FastEngine, prompts: list[Any], method: str, budget: int | None, n_new: int) -> dict:
-    """Prefill ms per prompt, ms per decoding round and the tokens, after one warm-up (graphs, caches)."""
+    """Prefill ms per prompt, ms per decoding round and the tokens, after a warm-up (graphs, caches, shapes)."""
     engine.generate(prompts[0].input_ids, max_new_tokens=8, method=method, budget=budget)
+    for p in prompts[1:]:
+        engine.generate(p.input_ids, max_new_tokens=1, method=method, budget=budget)
     prefill = decode = 0.0
     rounds, tokens = 0, []
     for p in prompts:
@@ -72,9 +76,12 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"{a.prompts} {a.dataset} prompts x {a.max_new_tokens} tokens, {a.device} {a.dtype}")
     print("| max_len | cache rows | attention over | method | prefill ms | round ms | same tokens |")
     print("|---:|---:|---|---|---:|---:|---|")
+    variants = ["its span", "the whole cache"] + (["its span, prefill graphed"] if a.device == "cuda" else [])
     for max_len in map(int, a.max_lens.split(",")):
-        for whole in (False, True):
-            engine = FastEngine(target, drafter, max_len=max_len, max_budget=a.max_budget)
+        for over in variants:
+            whole = over == "the whole cache"
+            engine = FastEngine(target, drafter, max_len=max_len, max_budget=a.max_budget,
+                                graph_prefill=over.endswith("graphed"))  # fmt: skip
             if whole:  # the engine as it was: every round over the whole static cache
                 engine._spans = lambda engine=engine: [engine.capacity]  # type: ignore[method-assign]
             for method, budget in METHODS:
@@ -82,9 +89,8 @@ def main(argv: list[str] | None = None) -> dict:
                 r = measure(engine, prompts, method, budget, a.max_new_tokens)
                 same = reference.setdefault(label, r["tokens"]) == r["tokens"]
                 rows.append({"max_len": max_len, "capacity": engine.capacity, "whole_cache": whole,
-                             "method": label, "prefill_ms": r["prefill_ms"], "round_ms": r["round_ms"],
-                             "same_tokens": same})  # fmt: skip
-                over = "the whole cache" if whole else "its span"
+                             "graph_prefill": engine.graph_prefill, "method": label, "prefill_ms": r["prefill_ms"],
+                             "round_ms": r["round_ms"], "same_tokens": same})  # fmt: skip
                 print(f"| {max_len} | {engine.capacity} | {over} | {label} | {r['prefill_ms']:.1f} | "
                       f"{r['round_ms']:.2f} | {same} |")  # fmt: skip
             del engine

@@ -129,6 +129,7 @@ class FastEngine:
         compile_target: bool = False,
         compile_drafter: bool = False,
         overlap_rounds: bool = False,
+        graph_prefill: bool = False,
     ) -> None:
         why = native_support_error(target)
         if why is not None:
@@ -162,6 +163,10 @@ class FastEngine:
         # blocks) is paid once per bucket rather than per prompt; elsewhere 16, SDPA's alignment (padding costs
         # arithmetic there and buys nothing)
         self.prefill_bucket = 64 if self.device.type == "cuda" else 16
+        # the prefill as a CUDA graph, one per power-of-two bucket of rows (64, 128, ...: few graphs, and on a
+        # launch-bound target padding costs little), each captured at its bucket's first prompt; off until a GPU has
+        # measured it (benchmarks/engine_spans.py reports the prefill)
+        self.graph_prefill = graph_prefill and self.cuda_graphs
         self.block = drafter.block_size if drafter is not None else 1
         self.max_budget = max_budget
         self.max_q = max(self.block, max_budget + 1 if drafter is not None else 1)
@@ -189,6 +194,7 @@ class FastEngine:
             self.draft_logits = torch.zeros(self.block - 1, target.vocab_size, dtype=target.dtype, device=dev)
             self.draft_tokens = torch.zeros(self.block - 1, **long)
         self._q: dict[int, dict[str, torch.Tensor]] = {}  # verify buffers per q
+        self._prefill_in: dict[tuple[Any, ...], dict[str, torch.Tensor]] = {}  # prefill buffers per row count
         self._tree: dict[int, dict[str, Any]] = {}  # tree buffers per budget
         self._phases: dict[tuple[Any, ...], _Phase] = {}
         self._captured: set[tuple[Any, ...]] = set()  # (method, budget, params) whose every span is captured
@@ -505,8 +511,6 @@ class FastEngine:
                 f"build FastEngine(..., max_len={n + max_new_tokens})"
             )
         stop = {int(t) for t in (stop_token_ids or [])}
-        if not params.greedy:
-            seed_generator(self.generator, seed)
         timings = Timings()
         result = GenerationResult(
             [], [], n, 0, "length", timings, method, budget if method == "ddtree" else None
@@ -518,28 +522,19 @@ class FastEngine:
             self.ndrafter.sync_weights()  # the drafter may have been trained since the last call
         if self.cuda_graphs:
             self._round_phases(method, budget, params)  # captures every span's graphs on first use
+        # the prefill's graph too, before the seeding: a capture's warm-up draws from the generator
+        prefill = self._prefill_phase(n, method != "ar", params)
+        if not params.greedy:
+            seed_generator(self.generator, seed)
         q_round = self._round_q(method, budget)
 
         def phases(seq: int) -> list[tuple[str, Callable[[], None]]]:
             """A round's phases when the committed length is at most `seq`: it attends over seq + its q rows."""
             return self._round_phases(method, budget, params, seq + q_round)
 
-        # prefill (eager): the prompt's K/V and features, the first token. The prompt is padded to
-        # `_prefill_rows(n)` rows, so that prompt lengths share a few shapes (`prefill_bucket`): the padding's K/V
-        # and drafter context land past the committed length, where every mask hides them until rounds overwrite
-        # them, and its logits are not computed
+        # prefill: the prompt's K/V and features, the first token (`_prefill_phase`)
         t0 = time.perf_counter()
-        m = self._prefill_rows(n)
-        pos = torch.arange(m, device=self.device)
-        padded = torch.cat([ids, ids.new_zeros(m - n)])  # token 0: any id will do
-        causal = self.kv_idx[None, :m] <= pos[:, None]  # [m, m]
-        layer_ids = self.layer_ids if method != "ar" else None
-        out = self.native.forward(padded, pos, pos, causal, layer_ids=layer_ids, logits_row=n - 1)
-        assert out.logits is not None
-        first = choose_tokens(out.logits[0], params, self.generator if not params.greedy else None).view(1)
-        if method != "ar":
-            assert self.ndrafter is not None and out.features is not None
-            self.ndrafter.write_context(out.features, pos)
+        first = prefill(ids)
         self.bonus.copy_(first)
         self.seq_len.fill_(n)
         self.n_pending.zero_()
@@ -596,10 +591,55 @@ class FastEngine:
         return result
 
     def _prefill_rows(self, n: int) -> int:
-        """The rows a prefill of an n-token prompt runs: n rounded up to `prefill_bucket`, within both caches
-        (n + max_new_tokens <= max_len keeps it >= n)."""
-        m = -(-n // self.prefill_bucket) * self.prefill_bucket
+        """The rows a prefill of an n-token prompt runs: n rounded up to `prefill_bucket` (to a power of two of at
+        least 64 with `graph_prefill`), within both caches (n + max_new_tokens <= max_len keeps it >= n)."""
+        if self.graph_prefill:
+            m = 64
+            while m < n:
+                m *= 2
+        else:
+            m = -(-n // self.prefill_bucket) * self.prefill_bucket
         return min(m, self.capacity, self.d_capacity if self.ndrafter is not None else self.capacity)
+
+    def _prefill_phase(
+        self, n: int, features: bool, params: SamplingParams
+    ) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The prefill of an n-token prompt: a function of the prompt's ids [n] that writes their K/V into the cache
+        (with `features`, the drafter's context too) and gives the first token [1]. The prompt runs padded to
+        `_prefill_rows(n)` rows, so that prompt lengths share a few shapes: the padding's K/V and drafter context
+        land past the committed length, where every mask hides them until rounds overwrite them, and only the last
+        real row's logits are computed. Over static buffers per row count: a CUDA graph each with `graph_prefill`,
+        captured here at its first use."""
+        m = self._prefill_rows(n)
+        key = ("prefill", m, features, params)
+        if key not in self._prefill_in:
+            long = dict(dtype=torch.long, device=self.device)
+            self._prefill_in[key] = {"tokens": torch.zeros(m, **long), "last": torch.zeros(1, **long),
+                                     "first": torch.zeros(1, **long)}  # fmt: skip
+        b = self._prefill_in[key]
+
+        def run() -> None:
+            pos = self.kv_idx[:m]
+            causal = self.kv_idx[None, :m] <= pos[:, None]  # [m, m]
+            out = self.native.forward(b["tokens"], pos, pos, causal, layer_ids=self.layer_ids if features else None,
+                                      logits_row=b["last"])  # fmt: skip
+            assert out.logits is not None
+            gen = self.generator if not params.greedy else None
+            b["first"].copy_(choose_tokens(out.logits[0], params, gen))
+            if features:
+                assert self.ndrafter is not None and out.features is not None
+                self.ndrafter.write_context(out.features, pos)
+
+        phase = self._phase(key, run, sampling=not params.greedy) if self.graph_prefill else run
+
+        def prefill(ids: torch.Tensor) -> torch.Tensor:
+            b["tokens"].zero_()  # token 0 in the padding: any id will do
+            b["tokens"][:n].copy_(ids)
+            b["last"].fill_(n - 1)
+            phase()
+            return b["first"]
+
+        return prefill
 
     def _round_q(self, method: str, budget: int | None) -> int:
         """The cache rows a round writes past the committed length: its verify's tokens (the drafter's block)."""

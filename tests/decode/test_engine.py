@@ -601,23 +601,26 @@ def test_attention_spans_follow_the_sequence_and_change_no_token(monkeypatch):
     assert {k[-1] for k in whole._phases if k[0] == "verify_chain"} == {whole.capacity}
 
 
-def test_padded_prefill_changes_no_token():
-    """The prefill runs the prompt padded to `prefill_bucket` rows (64 on CUDA): the padding's K/V and drafter
-    context sit past the committed length, hidden until rounds overwrite them. float64, prompts of several lengths
-    (one that the padding would push past the caches, clamped): the reference decoder's tokens and acceptance."""
+@pytest.mark.parametrize("graph_prefill", [False, True])
+def test_padded_prefill_changes_no_token(graph_prefill):
+    """The prefill runs the prompt padded to `prefill_bucket` rows (64 on CUDA), or to a power of two of at least 64
+    (`graph_prefill`: a phase per row count, eager here): the padding's K/V and drafter context sit past the
+    committed length, hidden until rounds overwrite them. float64, prompts of several lengths (one that the padding
+    would push past the caches, clamped): the reference decoder's tokens and acceptance."""
     target = tiny_target("qwen3", layers=3, seed=2)
     drafter = tiny_drafter(target, layers=1, block_size=BLOCK)
-    engine = FastEngine(target, drafter, max_len=120, max_budget=16)
-    engine.prefill_bucket = 64
+    engine = FastEngine(target, drafter, max_len=180, max_budget=16)
+    engine.prefill_bucket, engine.graph_prefill = 64, graph_prefill
     assert engine._prefill_rows(3) == 64 and engine._prefill_rows(65) == 128
-    assert engine._prefill_rows(100) == engine.d_capacity == 128  # within both caches (the target's: 144)
-    for n in (3, 40, 64, 100):
+    assert engine._prefill_rows(130) == engine.d_capacity == 192  # within both caches (the target's: 208)
+    for n in (3, 40, 64, 100, 150):
         prompt = [3 + (11 * i) % (target.vocab_size - 3) for i in range(n)]
         for method, budget in [("ar", None), ("chain", None), ("ddtree", 16)]:
             got = engine.generate(prompt, max_new_tokens=20, method=method, budget=budget)
             ref = reference_generate(target, drafter, prompt, max_new_tokens=20, method=method, budget=budget)
             assert got.tokens == ref.tokens, (n, method)
             assert got.acceptance_lengths == ref.acceptance_lengths, (n, method)
+    assert any(k[0] == "prefill" for k in engine._phases) == graph_prefill
 
 
 def test_attention_span_lists():
@@ -650,6 +653,26 @@ def test_cuda_graphs_at_every_span_equal_eager_on_gpu():
     assert {k[-1] for k in graphs._phases if k[0] == "verify_chain"} == {256, 512, graphs.capacity}
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_graph_prefill_equals_the_eager_prefill_on_gpu():
+    """The prefill as a CUDA graph per power-of-two row count: the eager prefill's tokens, greedy and sampled
+    (seeded: the capture's warm-up draws come before the seeding), float32, prompts in three buckets."""
+    target = tiny_target("llama", layers=4, dtype=torch.float32)
+    target.model.cuda()
+    drafter = tiny_drafter(target, layers=1, block_size=BLOCK).cuda()
+    graphed = FastEngine(target, drafter, max_len=640, max_budget=32, graph_prefill=True)
+    plain = FastEngine(target, drafter, max_len=640, max_budget=32)
+    for n in (5, 100, 300):
+        prompt = [3 + (7 * i) % (target.vocab_size - 3) for i in range(n)]
+        for method, budget in [("ar", None), ("chain", None), ("ddtree", 32)]:
+            for kw in (dict(), dict(temperature=0.8, seed=3)):
+                args = dict(max_new_tokens=24, method=method, budget=budget, **kw)
+                _same(graphed.generate(prompt, **args), plain.generate(prompt, **args), (n, method, kw))
+    assert {k[1] for k in graphed._phases if k[0] == "prefill"} == {64, 128, 512}
+    assert all(ph.graph is not None for k, ph in graphed._phases.items() if k[0] == "prefill")
+
+
 def test_phases_never_read_the_host():
     """A CUDA graph cannot hold a host read: no `.item()`-like op (incl. 0-d tensor indexing) in any phase."""
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -667,6 +690,7 @@ def test_phases_never_read_the_host():
     target = tiny_target("qwen3", layers=2)
     drafter = tiny_drafter(target, layers=1, block_size=BLOCK)
     engine = FastEngine(target, drafter, max_len=48, max_budget=16)
+    engine.graph_prefill = True  # the prefill as a phase too (eager here: no CUDA)
     plain = engine_mod._Phase.__call__
 
     def watched(self) -> None:  # type: ignore[no-untyped-def]
@@ -682,4 +706,4 @@ def test_phases_never_read_the_host():
             assert res.rounds > 0
     finally:
         engine_mod._Phase.__call__ = plain
-    assert Watch.reads == 0
+    assert Watch.reads == 0 and any(k[0] == "prefill" for k in engine._phases)
