@@ -35,7 +35,8 @@ the trainer takes the current one, from the trainer's own thread (`pipeline.inli
 the native pass, which may not run in a producer thread on CUDA); timed the same way.
 `--feature-pass hf,native,native-compiled` runs the steps once per variant — runtime.feature_pass=hf
 (transformers' forward), =native (the packed pass of `flashdraft.train.target_pass`), and native with
-runtime.compile's "target" part (its whole forward compiled) — over the same target, documents and seeds, a
+runtime.compile's "target" part (its whole forward compiled), and native-graph (that compiled pass replayed as a
+CUDA graph: runtime.compile's "target_graph" part too) — over the same target, documents and seeds, a
 fresh drafter each, and prints each variant's target pass time and target tokens/s against the first's.
 Documents are synthetic (random ids, the first `--prompt-frac` of each outside the loss
 mask) unless `--dataset` names a flashdraft dataset: throughput depends on lengths, not ids.
@@ -221,8 +222,8 @@ def main() -> None:
                          "during the steps (unset: the config's auto, 1 on CUDA, torch's default on CPU)")  # fmt: skip
     ap.add_argument("--feature-pass", default="hf",
                     help="comma-separated variants measured one after the other in this process (same target, "
-                         "data, seeds; a fresh drafter each): hf, native (runtime.feature_pass) and native-compiled "
-                         "(native with runtime.compile's target part)")  # fmt: skip
+                         "data, seeds; a fresh drafter each): hf, native (runtime.feature_pass), native-compiled "
+                         "(native with runtime.compile's target part) and native-graph (target_graph too)")  # fmt: skip
     ap.add_argument("--json", default=None, help="write the results here (a list of them for several passes)")
     ap.add_argument("--profile", type=int, default=0,
                     help="profile this many optimizer steps after the timed ones: print the top kernels / ops")  # fmt: skip
@@ -233,8 +234,8 @@ def main() -> None:
         args.max_length, args.token_budget = min(args.max_length, 256), min(args.token_budget, 512)
         args.doc_length, args.max_anchors = min(args.doc_length, 96), min(args.max_anchors, 32)
     variants = [v.strip() for v in args.feature_pass.split(",") if v.strip()]
-    if not variants or not set(variants) <= {"hf", "native", "native-compiled"}:
-        ap.error(f"--feature-pass {args.feature_pass!r}: comma-separated hf, native, native-compiled")
+    if not variants or not set(variants) <= {"hf", "native", "native-compiled", "native-graph"}:
+        ap.error(f"--feature-pass {args.feature_pass!r}: comma-separated hf, native, native-compiled, native-graph")
     cfgs = [config_for(args, device, v) for v in variants]
     prec = resolve_precision(cfgs[0], device)
     target_device = resolve_target_device(args.target_device, device)
@@ -291,13 +292,16 @@ def main() -> None:
 
 def config_for(args: argparse.Namespace, device: torch.device, variant: str) -> TrainConfig:
     """The benchmark's TrainConfig for one --feature-pass variant: runtime.compile is --compile, with the "target"
-    part added for native-compiled and dropped for hf (it compiles the native pass only)."""
+    part added for native-compiled (and "target_graph" for native-graph) and dropped for hf (it compiles the native
+    pass only); native leaves --compile as it is."""
     feature_pass = "hf" if variant == "hf" else "native"
     parts = [p.strip() for p in args.compile.split(",") if p.strip() not in ("", "none")]
     if variant == "hf":
-        parts = [p for p in parts if p != "target"]
-    elif variant == "native-compiled" and "target" not in parts:
+        parts = [p for p in parts if p not in ("target", "target_graph")]
+    if variant in ("native-compiled", "native-graph") and "target" not in parts:
         parts.append("target")
+    if variant == "native-graph" and "target_graph" not in parts:
+        parts.append("target_graph")
     compile_ = ",".join(parts) or "none"
     return load_config(
         TrainConfig, None,

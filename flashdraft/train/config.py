@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 
 from flashdraft.config import ConfigError, Removed
 
-COMPILE_PARTS = {"attention", "loss", "model", "target"}
+COMPILE_PARTS = {"attention", "loss", "model", "target", "target_graph"}
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")  # the devices the trainer runs on (runtime.device)
 
 
@@ -121,8 +121,9 @@ class RuntimeConfig:
     # FlexAttention kernel; the drafter eager, any batch shape), "loss" (the lm_head + cross-entropy
     # chunk, padded to a fixed chunk shape), "model" (the whole drafter, FlexAttention included: needs
     # data.blocks_per_row > 0 so it compiles once), "target" (the native feature pass's whole forward, every
-    # micro-batch padded to [token_budget // max_length rows, max_length]: one graph; needs runtime.feature_pass=native);
-    # or "none"
+    # micro-batch padded to [token_budget // max_length rows, max_length]: one graph; needs runtime.feature_pass=native),
+    # "target_graph" (with target: that compiled pass and its block mask replayed as one CUDA graph, the host's
+    # kernel launches gone; not yet measured on a GPU); or "none"
     compile: str = "attention,loss"
     # stop (with a checkpoint) after this many minutes; the LR schedule still follows max_steps /
     # epochs, so `--resume` continues it (fixed device budgets, preemptible slots)
@@ -363,6 +364,10 @@ class TrainConfig:
             raise ConfigError(
                 "runtime.compile=target compiles the native feature pass: set runtime.feature_pass=native "
                 "or drop target from runtime.compile"
+            )
+        if "target_graph" in parts and "target" not in parts:
+            raise ConfigError(
+                "runtime.compile=target_graph replays the compiled feature pass: add target to runtime.compile"
             )
         if self.runtime.attention not in ("auto", "flex", "dense"):
             raise ConfigError(f"runtime.attention {self.runtime.attention!r}: use auto, flex or dense")

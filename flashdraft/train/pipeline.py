@@ -527,6 +527,7 @@ def build_source(
             layer_ids,
             feature_pass=cfg.runtime.feature_pass,
             compile_target=compile_target,
+            target_graph=compile_target and "target_graph" in cfg.runtime.compile_parts,
             **kw,
         )
     depth = p.queue_depth

@@ -70,6 +70,7 @@ class InProcessSource:
         world_size: int = 1,
         feature_pass: str = "hf",  # runtime.feature_pass: hf (transformers) or native (flashdraft.train.target_pass)
         compile_target: bool = False,  # native only: the pass compiled, micro-batches padded to one static shape
+        target_graph: bool = False,  # with compile_target: the compiled pass replayed as a CUDA graph
     ) -> None:
         self.samples = samples
         self.target = target
@@ -95,7 +96,9 @@ class InProcessSource:
         if feature_pass == "native" and target is not None:
             # the largest micro-batch plan_micro_batches makes, rows padded as pack_rows pads them
             shape = (max(1, token_budget // max_length), -(-max_length // pad_multiple) * pad_multiple)
-            self.native = PackedTargetPass(target, compile_shape=shape if compile_target else None)
+            self.native = PackedTargetPass(
+                target, compile_shape=shape if compile_target else None, cuda_graph=target_graph
+            )
 
     @property
     def epoch(self) -> int:

@@ -71,6 +71,10 @@ class PackedTargetPass:
     compile_shape: when given, [rows, length]: the whole forward runs through torch.compile (fused norms, RoPE,
     SwiGLU, residuals) with every batch padded to this shape, so one graph serves the run (the padding is
     doc −1, which no document attends; it is cut off before returning).
+    cuda_graph: with compile_shape on CUDA, the block mask and the compiled forward are captured in one CUDA graph
+    over static input buffers and replayed: a micro-batch costs the host three copies and a replay instead of
+    launching every kernel (~7 ms of the trainer's host time a micro-batch, H100, 2026-12-07). Features are
+    cloned out of the graph's memory, so a batch's features outlive the next replay.
     """
 
     def __init__(
@@ -79,6 +83,7 @@ class PackedTargetPass:
         *,
         attention: str = "auto",
         compile_shape: tuple[int, int] | None = None,
+        cuda_graph: bool = False,
     ) -> None:
         why = native_support_error(target)
         if why is not None:
@@ -103,6 +108,10 @@ class PackedTargetPass:
         self._forward = self.forward
         if compile_shape is not None:
             self._forward = torch.compile(self.forward, dynamic=False, fullgraph=True)
+        if cuda_graph and (compile_shape is None or target.device.type != "cuda"):
+            raise ValueError("the feature pass as a CUDA graph needs CUDA and a compiled static shape")
+        self.cuda_graph = cuda_graph
+        self._graphs: dict[tuple[int, ...], tuple[Any, dict[str, torch.Tensor], torch.Tensor]] = {}
 
     @torch.no_grad()
     def __call__(
@@ -126,8 +135,47 @@ class PackedTargetPass:
                 )
             input_ids, position_ids = _pad(input_ids, rows, length, 0), _pad(position_ids, rows, length, 0)
             doc_ids = _pad(doc_ids, rows, length, -1)
+        if self.cuda_graph:
+            return self._replay(input_ids, position_ids, doc_ids, tuple(layer_ids))[:r, :s]
+        return self._masked_forward(input_ids, position_ids, doc_ids, tuple(layer_ids))[:r, :s]
+
+    def _masked_forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        doc_ids: torch.Tensor,
+        layer_ids: tuple[int, ...],
+    ) -> torch.Tensor:
         mask = document_block_mask(doc_ids) if self.attention == "flex" else document_causal_mask(doc_ids)
-        return self._forward(input_ids, position_ids, mask, tuple(layer_ids))[:r, :s]
+        return self._forward(input_ids, position_ids, mask, layer_ids)
+
+    def _replay(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        doc_ids: torch.Tensor,
+        layer_ids: tuple[int, ...],
+    ) -> torch.Tensor:
+        """`_masked_forward` replayed from its CUDA graph (captured at the first call for these layer ids, on the
+        caller's stream), its features cloned out."""
+        if layer_ids not in self._graphs:
+            static = {"ids": input_ids.clone(), "pos": position_ids.clone(), "doc": doc_ids.clone()}
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):  # warm-up outside the capture: the compilation, lazy inits
+                for _ in range(2):
+                    self._masked_forward(static["ids"], static["pos"], static["doc"], layer_ids)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = self._masked_forward(static["ids"], static["pos"], static["doc"], layer_ids)
+            self._graphs[layer_ids] = (graph, static, out)
+        graph, static, out = self._graphs[layer_ids]
+        static["ids"].copy_(input_ids)
+        static["pos"].copy_(position_ids)
+        static["doc"].copy_(doc_ids)
+        graph.replay()
+        return out.clone()
 
     def forward(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: Any, layer_ids: tuple[int, ...]

@@ -131,6 +131,10 @@ def test_an_unsupported_target_is_refused_in_one_line():
     [
         (["runtime.feature_pass=fast"], "runtime.feature_pass 'fast': use hf or native"),
         (["runtime.compile=attention,target"], "runtime.compile=target compiles the native feature pass"),
+        (
+            ["runtime.feature_pass=native", "runtime.compile=attention,target_graph"],
+            "runtime.compile=target_graph replays the compiled feature pass: add target",
+        ),
     ],
 )
 def test_config_errors(overrides, message):
@@ -201,6 +205,35 @@ def test_native_pass_on_cuda_matches_transformers_in_bf16():
     torch._dynamo.reset()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_compiled_pass_replayed_as_a_cuda_graph_gives_its_features():
+    """`cuda_graph=True`: the block mask and the compiled forward captured once, replayed with each batch copied into
+    its static buffers: the compiled pass's features, batch after batch, and a batch's features are its own after the
+    next replay (cloned out of the graph's memory)."""
+    torch._dynamo.reset()
+    t = tiny_target("llama", dtype=torch.bfloat16, hidden=64)
+    t.model.to("cuda")
+    docs = make_docs([150, 90, 200, 120, 60, 170], seed=0)
+    batches = [
+        pack_rows([[docs[0], docs[1]], [docs[2], docs[3]]], 320, pad_multiple=64),
+        pack_rows([[docs[4], docs[5]]], 320, pad_multiple=64),
+        pack_rows([[docs[3], docs[0]], [docs[5]]], 320, pad_multiple=64),
+    ]
+    compiled = PackedTargetPass(t, compile_shape=(2, 320))
+    graphed = PackedTargetPass(t, compile_shape=(2, 320), cuda_graph=True)
+    kept = []
+    for tb in batches:
+        ref = compute_features(t, tb, [1, 5], compiled).features
+        got = compute_features(t, tb, [1, 5], graphed).features
+        assert torch.equal(got, ref)
+        kept.append((got, ref.clone()))
+    assert all(torch.equal(a, b) for a, b in kept) and len(graphed._graphs) == 1
+    with pytest.raises(ValueError, match="needs CUDA and a compiled static shape"):
+        PackedTargetPass(t, cuda_graph=True)
+    torch._dynamo.reset()
+
+
 # ----------------------------------------------------------------------------- benchmarks/train_throughput.py
 
 
@@ -228,15 +261,17 @@ def test_throughput_variants_set_the_feature_pass_and_the_target_compile(tmp_pat
     monkeypatch.setattr(script, "measure", fake_measure)
     out = tmp_path / "r.json"
     argv = ["x", "--device", "cpu", "--tiny", "--compile", "attention,loss,target", "--json", str(out),
-            "--feature-pass", "hf,native,native-compiled"]  # fmt: skip
+            "--feature-pass", "hf,native,native-compiled,native-graph"]  # fmt: skip
     monkeypatch.setattr("sys.argv", argv)
     script.main()
     assert seen == [
         ("hf", {"attention", "loss"}),  # target compile is the native pass's: dropped
         ("native", {"attention", "loss", "target"}),
         ("native", {"attention", "loss", "target"}),
+        ("native", {"attention", "loss", "target", "target_graph"}),
     ]
-    assert [r["variant"] for r in json.loads(out.read_text())] == ["hf", "native", "native-compiled"]
+    variants = [r["variant"] for r in json.loads(out.read_text())]
+    assert variants == ["hf", "native", "native-compiled", "native-graph"]
     assert "native / hf: target pass time 1.500x" in capsys.readouterr().out
     seen.clear()
     monkeypatch.setattr("sys.argv", ["x", "--device", "cpu", "--tiny", "--feature-pass", "native-compiled"])
