@@ -435,10 +435,17 @@ class QueuedSource:
 
 
 def _host_split(host_s: dict[str, float], batches: int) -> str:
-    """'; host per batch: pack 1.2 ms, target 8.1 ms' (empty without stage times)."""
+    """'; host per batch: pack 1.2 ms, target 8.1 ms' (empty without stage times), with a hint when packing is slow:
+    it reads the batch's samples from the dataset's shards, ~1 ms a micro-batch when they are decoded once."""
     if not host_s:
         return ""
-    return "; host per batch: " + ", ".join(f"{k} {1e3 * v / batches:.1f} ms" for k, v in host_s.items())
+    out = "; host per batch: " + ", ".join(f"{k} {1e3 * v / batches:.1f} ms" for k, v in host_s.items())
+    if 1e3 * host_s.get("pack", 0.0) / batches > 10:
+        out += (
+            " (slow packing: the samples' shards decoded again and again, flashdraft.data.dataset.SHARD_CACHE_BYTES "
+            "smaller than the decoded dataset, or a slow disk)"
+        )
+    return out
 
 
 # ----------------------------------------------------------------------------- assembly (launch.py)

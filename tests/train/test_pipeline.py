@@ -374,6 +374,13 @@ def test_the_producers_host_stages_are_reported_and_named_in_the_warning(depth, 
     assert "host per batch: pack 2.0 ms, target 30.0 ms" in capsys.readouterr().err
 
 
+def test_slow_packing_gets_its_hint():
+    from flashdraft.train.pipeline import _host_split
+
+    assert _host_split({"pack": 0.004, "target": 0.3}, 4) == "; host per batch: pack 1.0 ms, target 75.0 ms"
+    assert "slow packing: the samples' shards decoded again" in _host_split({"pack": 0.2, "target": 0.03}, 4)
+
+
 def test_the_in_process_source_times_its_stages():
     target = tiny_target("llama", layers=2)
     src = InProcessSource(DOCS, target, [0, 1], max_length=48, token_budget=96, epochs=1)
