@@ -296,7 +296,7 @@ class NativeTarget:
         *,
         layer_ids: list[int] | None = None,
         logits: bool = True,
-        logits_row: int | torch.Tensor | None = None,  # logits of this row only ([1, V]); or a [1] index
+        logits_row: torch.Tensor | None = None,  # [1] index: logits of this row only ([1, V])
     ) -> NativeOutput:
         return NativeOutput(
             *self._run(input_ids, positions, write_rows, allowed, tuple(layer_ids or ()), logits, logits_row)
@@ -332,7 +332,7 @@ class NativeTarget:
         allowed: torch.Tensor,
         layer_ids: tuple[int, ...],
         logits: bool,
-        logits_row: int | torch.Tensor | None = None,
+        logits_row: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """`forward`'s body, (logits [q, V] (or [1, V]: `logits_row`) | None, features [q, k·H] | None): a plain
         tuple, which torch.compile returns as it is."""
@@ -360,10 +360,8 @@ class NativeTarget:
             # HF's hidden_states[-1] is final-normed; TargetModel.forward matches that, so do we
             parts = [rms_norm(self.inner.norm, captured[i]) if i == last else captured[i] for i in layer_ids]
             feats = torch.cat(parts, dim=-1)[0]  # [q, k·H] in listed order
-        if isinstance(logits_row, torch.Tensor):
+        if logits_row is not None:
             h = h.index_select(1, logits_row)  # a device index: no host read (a prefill's CUDA graph)
-        elif logits_row is not None:
-            h = h[:, logits_row : logits_row + 1]
         out_logits = (
             self.head(rms_norm(self.inner.norm, h))[0] if logits else None
         )  # [q, V] (or [1, V]), float32 at least

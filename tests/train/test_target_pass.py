@@ -9,6 +9,7 @@ import math
 import sys
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -180,19 +181,26 @@ def test_training_losses_are_the_same_with_either_pass(tmp_path, monkeypatch):
     assert losses["native"] == pytest.approx(losses["hf"], abs=1e-10)
 
 
+def _cuda_target_and_batches() -> tuple[Any, list[TokenBatch]]:
+    """A tiny bf16 target on CUDA and three packed batches of 320-token rows (two rows, one, two)."""
+    t = tiny_target("llama", dtype=torch.bfloat16, hidden=64)
+    t.model.to("cuda")
+    docs = make_docs([150, 90, 200, 120, 60, 170], seed=0)
+    return t, [
+        pack_rows([[docs[0], docs[1]], [docs[2], docs[3]]], 320, pad_multiple=64),
+        pack_rows([[docs[4], docs[5]]], 320, pad_multiple=64),
+        pack_rows([[docs[3], docs[0]], [docs[5]]], 320, pad_multiple=64),
+    ]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_native_pass_on_cuda_matches_transformers_in_bf16():
     """On CUDA: the FlexAttention pass (compiled kernel) and the compiled whole forward (inductor) against
     transformers' dense-mask pass, bf16, on batches of two shapes."""
     torch._dynamo.reset()
-    t = tiny_target("llama", dtype=torch.bfloat16, hidden=64)
-    t.model.to("cuda")
-    docs = make_docs([150, 90, 200, 120, 60, 170], seed=0)
-    batches = [
-        pack_rows([[docs[0], docs[1]], [docs[2], docs[3]]], 320, pad_multiple=64),
-        pack_rows([[docs[4], docs[5]]], 320, pad_multiple=64),
-    ]
+    t, batches = _cuda_target_and_batches()
+    batches = batches[:2]
     eager = PackedTargetPass(t)
     compiled = PackedTargetPass(t, compile_shape=(2, 320))
     for tb in batches:
@@ -212,14 +220,7 @@ def test_the_compiled_pass_replayed_as_a_cuda_graph_gives_its_features():
     its static buffers: the compiled pass's features, batch after batch, and a batch's features are its own after the
     next replay (cloned out of the graph's memory)."""
     torch._dynamo.reset()
-    t = tiny_target("llama", dtype=torch.bfloat16, hidden=64)
-    t.model.to("cuda")
-    docs = make_docs([150, 90, 200, 120, 60, 170], seed=0)
-    batches = [
-        pack_rows([[docs[0], docs[1]], [docs[2], docs[3]]], 320, pad_multiple=64),
-        pack_rows([[docs[4], docs[5]]], 320, pad_multiple=64),
-        pack_rows([[docs[3], docs[0]], [docs[5]]], 320, pad_multiple=64),
-    ]
+    t, batches = _cuda_target_and_batches()
     compiled = PackedTargetPass(t, compile_shape=(2, 320))
     graphed = PackedTargetPass(t, compile_shape=(2, 320), cuda_graph=True)
     kept = []
