@@ -53,7 +53,7 @@ CONFIG = REPO / "configs" / "smollm2-b16.yaml"
 # the sources the campaign trains on: ShareGPT-layout chats (users' conversations, none generated from the Python
 # standard library's docs or source). `flashdraft data sources` lists the others: humaneval (the eval itself),
 # messages / prompts (user files of unknown provenance)
-CAMPAIGN_SOURCES = ("sharegpt", "codeio")
+CAMPAIGN_SOURCES = ("sharegpt", "sharegpt-turns", "codeio")
 # `prompts:` files reviewed by content: sha256 → what made them (the same wheels give the same bytes)
 REVIEWED_PROMPT_FILES = {
     "d1bbf7dd1292629694908dfb199cfd38af87ba0eb59069e4402417175e33904c":

@@ -348,6 +348,23 @@ def read_sharegpt(path: Path | None) -> Iterator[Item]:
         yield obj if isinstance(obj, BadRecord) else _sharegpt_record(obj, path, line)
 
 
+@register_source(
+    "sharegpt-turns",
+    default_path=_sharegpt_default,
+    description="ShareGPT's later user turns (the second on), each asked alone as a first turn without the chat's "
+    "history; split with the chat they came from",
+)
+def read_sharegpt_turns(path: Path | None) -> Iterator[Item]:
+    for item in read_sharegpt(path):
+        if isinstance(item, BadRecord):
+            yield item
+            continue
+        # the split hashes "<source>/<group>": the chat's own key (its group, else its id) under the chat's source
+        group = item.group or item.id
+        for k, text in enumerate(item.user_turns[1:], 2):
+            yield Conversation(f"{item.id}#u{k}", [Turn("user", text)], source="sharegpt", group=group)
+
+
 @register_source("messages", description="OpenAI-style JSONL: {id?, messages: [{role, content}], metadata?}")
 def read_messages(path: Path | None) -> Iterator[Item]:
     if path is None:

@@ -209,3 +209,31 @@ def test_gzip_jsonl(tmp_path):
         f.write(json.dumps({"task_id": "T/0", "prompt": "def f():\n"}) + "\n")
     (c,) = load_conversations(f"humaneval:{p}")
     assert c.id == "T/0" and c.user_turns[0] == HUMANEVAL_TEMPLATE.format(prompt="def f():\n")
+
+
+def test_sharegpt_turns_asks_each_later_turn_alone_and_splits_it_with_its_chat(tmp_path):
+    from flashdraft.data.regenerate import RegenConfig, collect_conversations
+
+    rows = [
+        {"id": "a", "conversations": [{"from": "system", "value": "Be nice."}, {"from": "human", "value": "hi"},
+                                      {"from": "gpt", "value": "hello"}, {"from": "human", "value": "bye"},
+                                      {"from": "gpt", "value": "ciao"}, {"from": "human", "value": "again"}]},
+        {"id": "b_1", "conversations": [{"from": "human", "value": "one"}, {"from": "gpt", "value": "x"},
+                                        {"from": "human", "value": "bye"}]},
+        {"id": "c", "conversations": [{"from": "human", "value": "only"}]},
+    ]  # fmt: skip
+    (tmp_path / "x.json").write_text(json.dumps(rows))
+    turns = load_conversations(f"sharegpt-turns:{tmp_path / 'x.json'}")
+    assert [(c.id, c.user_turns, c.group) for c in turns] == [
+        ("a#u2", ["bye"], "a"), ("a#u3", ["again"], "a"), ("b_1#u2", ["bye"], "b"),
+    ]  # fmt: skip
+    assert all(len(c.turns) == 1 for c in turns)  # no system prompt, no history
+
+    def split_keys(spec: str) -> list[str]:  # what the regenerated samples' train/eval split hashes
+        convs, drops, _ = collect_conversations(RegenConfig(inputs=[spec], out="y"))
+        return [c.group or c.id for c in convs], drops
+
+    chats, _ = split_keys(f"sharegpt:{tmp_path / 'x.json'}")
+    alone, drops = split_keys(f"sharegpt-turns:{tmp_path / 'x.json'}")
+    assert chats == ["sharegpt/a", "sharegpt/b", "sharegpt/c"]
+    assert alone == ["sharegpt/a", "sharegpt/a"] and drops["duplicate_prompt"] == 1  # "bye" asked twice: one kept
