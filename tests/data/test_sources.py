@@ -236,4 +236,6 @@ def test_sharegpt_turns_asks_each_later_turn_alone_and_splits_it_with_its_chat(t
     chats, _ = split_keys(f"sharegpt:{tmp_path / 'x.json'}")
     alone, drops = split_keys(f"sharegpt-turns:{tmp_path / 'x.json'}")
     assert chats == ["sharegpt/a", "sharegpt/b", "sharegpt/c"]
-    assert alone == ["sharegpt/a", "sharegpt/a"] and drops["duplicate_prompt"] == 1  # "bye" asked twice: one kept
+    assert (
+        alone == ["sharegpt/a", "sharegpt/a"] and drops["duplicate_prompt"] == 1
+    )  # "bye" asked twice: one kept
