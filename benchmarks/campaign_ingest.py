@@ -149,6 +149,12 @@ def unpack(folder: Path, stint: dict[str, Any], data: Path, overwrite: bool) -> 
         for name in ("stint.json", "stint.log", "SHA256"):
             if (folder / name).is_file():
                 shutil.copyfile(folder / name, tmp / name)
+        # a stint's training call comes home after its regeneration's, without the new data: keep that data
+        if not (tmp / "new-data").exists() and (dest / "new-data" / "manifest.json").is_file():
+            shutil.copytree(dest / "new-data", tmp / "new-data")
+            if (dest / "new-data.fdpack").is_file():
+                shutil.copyfile(dest / "new-data.fdpack", tmp / "new-data.fdpack")
+            say("unpack", f"{dest}: kept the new data of the bundle it replaces (this one has none)")
     say("unpack", f"{len(parts)} parts joined, sha256 {want[:12]}… checked, unpacked into {dest}")
     return dest
 

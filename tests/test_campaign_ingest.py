@@ -47,12 +47,14 @@ Hand-written figures.
 """
 
 
-def _call(root: Path, stint: int, seed: int) -> Path:
-    """What one device call of campaign_stint.py brings back, made by its Stint.ship on a tiny drafter."""
+def _call(root: Path, stint: int, seed: int, new: bool = True) -> Path:
+    """What one device call of campaign_stint.py brings back, made by its Stint.ship on a tiny drafter; `new`:
+    with the stint's new data (a training call after the regeneration's call has none)."""
     work, out = root / "work", root / "out"
     st = cs.Stint(cs.parse_args(["--stint", str(stint), "--work", str(work), "--out", str(out)]))
     out.mkdir(parents=True)
-    _dataset(work / "new")  # a real one: it is packed into the results
+    if new:
+        _dataset(work / "new")  # a real one: it is packed into the results
     _manifest(work / "data", 350, 150_000)
     ck = work / "train-1" / "checkpoints" / "step-00000020"
     tiny_drafter(tiny_target("llama", dtype=torch.float32), block_size=8, seed=seed).save_pretrained(
@@ -78,7 +80,11 @@ def _call(root: Path, stint: int, seed: int) -> Path:
 @pytest.fixture(scope="module")
 def calls(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("calls")
-    return {"a": _call(root / "a", 2, seed=1), "b": _call(root / "b", 2, seed=2)}
+    return {
+        "a": _call(root / "a", 2, seed=1),
+        "b": _call(root / "b", 2, seed=2),
+        "train-only": _call(root / "c", 2, seed=3, new=False),
+    }
 
 
 @pytest.fixture
@@ -206,6 +212,24 @@ def test_another_bundle_of_the_stint_needs_overwrite(
         == (calls["b"].parent / "work" / "drafter-bf16" / "model.safetensors").read_bytes()
     )
     assert len((tmp_path / "results" / "stints.jsonl").read_text().splitlines()) == 1
+
+
+def test_a_later_call_without_new_data_keeps_the_stints_new_data(
+    calls: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A stint's regeneration and training come home as two bundles; the training's has no new data, and replacing
+    the first with it keeps the first's data, its pack in the results and its repetition shares in the line."""
+    assert ci.main(_argv(tmp_path, calls["a"]), run_eval=_no_eval) == 0
+    res, unpacked = tmp_path / "results" / "stint-2", tmp_path / "data" / "stint-2"
+    pack, rows = (res / "new-data.fdpack").read_bytes(), _rows(unpacked / "new-data")
+    capsys.readouterr()
+    assert ci.main(_argv(tmp_path, calls["train-only"], "--overwrite"), run_eval=_no_eval) == 0
+    assert "kept the new data of the bundle it replaces" in capsys.readouterr().out
+    assert (res / "new-data.fdpack").read_bytes() == pack and _rows(unpacked / "new-data") == rows
+    weights = calls["train-only"].parent / "work" / "drafter-bf16" / "model.safetensors"
+    assert (unpacked / "drafter" / "model.safetensors").read_bytes() == weights.read_bytes()
+    (line,) = map(json.loads, (tmp_path / "results" / "stints.jsonl").read_text().splitlines())
+    assert "repetition" in line["new"]
 
 
 def _yardstick(tmp: Path, name: str = "sharegpt-heldout-100") -> Path:
