@@ -56,7 +56,7 @@ from flashdraft.decode.generate import (
     seed_generator,
     truncate_round,
 )
-from flashdraft.decode.native import NativeDrafter, NativeTarget, native_support_error
+from flashdraft.decode.native import SPARE_ROWS, NativeDrafter, NativeTarget, native_support_error
 from flashdraft.decode.sampling import SamplingParams, choose_tokens
 from flashdraft.drafter import DFlashDrafter
 from flashdraft.target import TargetModel, check_pair
@@ -220,7 +220,13 @@ class FastEngine:
                 "tokens": torch.zeros(q, **long),
                 "positions": torch.zeros(q, **long),
                 "rows": torch.zeros(q, **long),
-                "allowed": torch.zeros(q, self.capacity, dtype=torch.bool, device=self.device),
+                # [q, capacity], a view of [q, capacity + SPARE_ROWS]: every span's columns `[:, :span]` are then a
+                # strided slice (row stride > span), the whole cache's included. A compiled forward guards on the
+                # mask's contiguity (`stride(0) != size(1)`, from `~allowed` in `additive_mask`): a mask that were
+                # the whole buffer at the last span would compile each q once more (CUDA graphs capture that span)
+                "allowed": torch.zeros(q, self.capacity + SPARE_ROWS, dtype=torch.bool, device=self.device)[
+                    :, : self.capacity
+                ],
                 "choice": torch.zeros(q, **long),
                 "features": torch.zeros(q, feat_dim, dtype=self.target.dtype, device=self.device),
             }

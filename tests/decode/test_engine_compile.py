@@ -15,6 +15,7 @@ from flashdraft.decode.engine import FastEngine
 from flashdraft.decode.generate import GenerationResult
 from flashdraft.decode.generate import generate as reference_generate
 from flashdraft.decode.native import NativeDrafter, NativeTarget
+from flashdraft.decode.sampling import SamplingParams
 from tests.conftest import tiny_drafter, tiny_target
 from tests.decode.oracle import OracleDrafter
 from tests.decode.test_engine import BLOCK, OracleEngine, _prompt, _same
@@ -211,3 +212,29 @@ def test_cuda_graphs_generate_depends_on_its_request_only_on_gpu(compiled):
     methods = [("ar", None), ("chain", None), ("ddtree", 8), ("ddtree", 32)]
     _check_request_only(run, engine, [5, 9, 11], [7, 3, 20, 8, 6, 40], methods)
     assert all(ph.graph is not None for ph in engine._phases.values())
+
+
+def test_one_compilation_per_q_serves_every_span_the_whole_cache_included(monkeypatch):
+    """Under CUDA graphs every span's phases run once at an empty state, the whole cache's among them. A mask that
+    were the whole `allowed` buffer at that span is contiguous where every other span's slice is strided, and the
+    compiled forward guards on that: each q would compile once more (the H100 counted 7 compilations where 4
+    serve). The guards are dynamo's, whatever the backend, so the eager backend shows them in seconds."""
+    import flashdraft.decode.native as native
+
+    def eager_backend(nt: NativeTarget) -> Callable[..., Any]:
+        return torch.compile(nt._run, fullgraph=True, dynamic=False, backend="eager")
+
+    monkeypatch.setattr(native, "compile_native_target", eager_backend)
+    target = tiny_target("llama", layers=1, dtype=torch.float32)
+    drafter = tiny_drafter(target, layers=1, block_size=BLOCK)
+    engine = FastEngine(target, drafter, max_len=64, max_budget=8, compile_target=True)
+    spans = [16, 32, engine.capacity]
+    torch._dynamo.reset()
+    for method, budget in [("ar", None), ("chain", None), ("ddtree", 8)]:
+        for span in spans:
+            for _, phase in engine._phases_at(method, budget, SamplingParams(), span):
+                engine.seq_len.zero_()
+                engine.n_pending.zero_()
+                phase()
+    # the target at q = 1 (AR), BLOCK (the chain's verify) and 9 (the 8-node tree's)
+    assert _compilations(NativeTarget._run) == 3
