@@ -12,7 +12,8 @@
 #      from there when its weights, the settings and the references are the same (`flashdraft eval --reuse`):
 #      REUSE=benchmarks/results/campaign/stint-4/yardstick after stint 4's drafter was shipped;
 #   T1_LIMIT=0 or BENCH_PROMPTS=0 leaves step 2 or 3 out (a call that trains first has room for step 1 only);
-#   BENCH_EXTRA=--compile benches the engine with its forwards compiled (`fast-compiled`); BENCH_SHAREGPT=N benches
+#   BENCH_EXTRA=--compile benches the engine with its forwards compiled (`fast-compiled`), BENCH_EXTRA=--graph-prefill
+#   with each prompt's prefill replayed as a CUDA graph (`fast-graph-prefill`); BENCH_SHAREGPT=N benches
 #   the first N held-out ShareGPT yardstick prompts too (bench/sharegpt/);
 #   4. with WALKS=N: benchmarks/eval_tree_walks.py on the first N HumanEval yardstick problems (the replay's DDTree
 #      walks popped to the largest budget at every start vs only as far as asked, in one run).

@@ -728,13 +728,15 @@ def generate(
     max_new_tokens: int,
     max_len: int | None = None,
     compile: bool = False,
+    graph_prefill: bool = False,
     **kwargs: Any,
 ) -> GenerationResult:
     """`FastEngine(target, drafter).generate(...)` with the engine kept for the next call.
 
     `compile`: the target's and the drafter's forwards through torch.compile inside the CUDA graphs
     (`compile_target`, `compile_drafter`): faster rounds after a compilation per shape, and in bf16 near-ties
-    that may break differently from run to run (benchmarks/RESULTS.md "Decode speed").
+    that may break differently from run to run (benchmarks/RESULTS.md "Decode speed"). `graph_prefill`: the
+    prompt's prefill replayed as a CUDA graph per power-of-two row count (`FastEngine(graph_prefill=True)`).
     Targets outside the native families fall back to the reference transformers decoder.
     """
     if native_support_error(target) is not None:
@@ -746,14 +748,15 @@ def generate(
     # doubling: a run of longer prompts rebuilds it rarely
     while max_len is None and need < n + max_new_tokens:
         need *= 2
-    key = (id(target), id(drafter), compile)
+    key = (id(target), id(drafter), compile, graph_prefill)
     eng = _ENGINE.get("engine")
     fits = eng is not None and eng.max_len >= n + max_new_tokens
-    # AR needs no drafter: a kept engine of this target (compiled alike) serves it, whichever drafter it holds
-    kept_target, _, kept_compile = _ENGINE.get("key", (None, None, None))
-    ar_reuse = fits and kwargs.get("method") == "ar" and (kept_target, kept_compile) == (id(target), compile)
+    # AR needs no drafter: a kept engine of this target (built alike) serves it, whichever drafter it holds
+    kept_target, _, *kept_build = _ENGINE.get("key", (None, None, None, None))
+    ar_reuse = fits and kwargs.get("method") == "ar" and (kept_target, *kept_build) == (id(target), *key[2:])
     if not ar_reuse and (not fits or _ENGINE.get("key") != key):
         _ENGINE.clear()
-        eng = FastEngine(target, drafter, max_len=need, compile_target=compile, compile_drafter=compile)
+        eng = FastEngine(target, drafter, max_len=need, compile_target=compile, compile_drafter=compile,
+                         graph_prefill=graph_prefill)  # fmt: skip
         _ENGINE.update(engine=eng, key=key)
     return eng.generate(input_ids, max_new_tokens=max_new_tokens, **kwargs)

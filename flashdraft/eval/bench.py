@@ -107,6 +107,7 @@ def bench(
     progress: bool = True,
     tau_report: str | None = None,  # method auto: an eval report with the drafter's τ per budget
     compile: bool = False,  # the fast engine's forwards through torch.compile
+    graph_prefill: bool = False,  # the fast engine's prefill as a CUDA graph per prompt-length bucket
 ) -> BenchReport:
     from tqdm import tqdm
 
@@ -118,7 +119,7 @@ def bench(
     elif any(m != "ar" for m, _ in todo):
         raise ValueError("chain / ddtree methods need a drafter (--drafter)")
     stop = stop_token_ids if stop_token_ids is not None else target_stop_ids(target)
-    engine_name, gen = pick_engine(target, engine, compile)  # raises ValueError: one line
+    engine_name, gen = pick_engine(target, engine, compile, graph_prefill)  # raises ValueError: one line
     if engine_name != "reference":
         # one engine for every prompt, built (and its graphs captured) in the warm-up
         longest = max((len(p.input_ids) for p in prompts), default=0) + max_new_tokens
@@ -144,6 +145,12 @@ def bench(
             # auto warms up on a copy: what its policy learns (and explores) counts only in the timed runs
             warm = {**kw, "policy": copy.deepcopy(policy)} if kw["method"] == "auto" else kw
             gen(target, drafter, p.input_ids, **warm, seed=seed)
+    if graph_prefill:  # each prompt length bucket's prefill graph captured here, not in a timed run
+        # AR's prefill and the drafted methods' (which also writes the drafter's context) are graphs of their own
+        for method in ["ar"] + (["chain"] if any(m != "ar" for m, _ in todo) else []):
+            for p in prompts[warmup:]:
+                gen(target, drafter, p.input_ids, max_new_tokens=1, method=method, temperature=temperature,
+                    stop_token_ids=stop, seed=seed)  # fmt: skip
     # prompt by prompt, every method in turn: a clock or thermal drift during the run reaches all methods alike
     seconds = dict.fromkeys(kws, 0.0)
     parts = {label: [0.0, 0.0, 0] for label in kws}  # prefill s, decode s, rounds

@@ -276,6 +276,9 @@ def register(app: typer.Typer) -> None:
         compile: bool = typer.Option(
             False, "--compile", help="fast engine: forwards through torch.compile (bf16 near-ties may vary)"
         ),
+        graph_prefill: bool = typer.Option(
+            False, "--graph-prefill", help="fast engine on CUDA: each prompt's prefill as a CUDA graph"
+        ),
         warmup: int = typer.Option(1, help="untimed runs per method before timing"),
         tau_report: Path | None = typer.Option(
             None, help="method auto: a `flashdraft eval` report.json giving the drafter's τ per budget"
@@ -307,7 +310,7 @@ def register(app: typer.Typer) -> None:
             report = bench(
                 t, d, prompts, methods=methods, max_new_tokens=max_new_tokens, temperature=temperature,
                 engine=engine, warmup=warmup, dataset=dataset, drafter_name=dname, progress=progress,
-                tau_report=str(tau_report) if tau_report else None, compile=compile,
+                tau_report=str(tau_report) if tau_report else None, compile=compile, graph_prefill=graph_prefill,
             )  # fmt: skip
         except ValueError as e:
             _fail(str(e))

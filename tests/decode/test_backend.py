@@ -21,6 +21,10 @@ def test_pick_engine_on_a_cpu_target() -> None:
     assert name == "fast-compiled" and isinstance(gen, functools.partial) and gen.keywords == {"compile": True}
     with pytest.raises(ValueError, match="--compile: only the fast engine"):
         backend.pick_engine(target, "auto", compile=True)
+    with pytest.raises(ValueError, match="--graph-prefill: CUDA graphs need a CUDA target"):
+        backend.pick_engine(target, "fast", graph_prefill=True)
+    with pytest.raises(ValueError, match="--graph-prefill: only the fast engine"):
+        backend.pick_engine(target, "reference", graph_prefill=True)
     with pytest.raises(ValueError, match="--engine 'turbo': use auto, fast, reference"):
         backend.pick_engine(target, "turbo")
 

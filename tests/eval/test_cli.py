@@ -163,3 +163,27 @@ def test_bench_compile_runs_the_compiled_fast_engine(fast_engine_builds: list[in
     assert rep.rows[1].identical_to_ar == 1 and rep.engine == "fast-compiled"
     with pytest.raises(ValueError, match="--compile: only the fast engine"):
         bench(target, drafter, prompts, methods="ar", engine="reference", compile=True, progress=False)
+
+
+def test_bench_graph_prefill_captures_every_prompts_prefill_before_timing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`graph_prefill`: the warm-up runs each prompt once with AR and once drafted (one token), so that each
+    prompt-length bucket's prefill graph is captured there, not in a timed run (the refusals: test_backend)."""
+    from flashdraft.decode import engine as fast
+    from flashdraft.eval import bench as bench_mod
+    from flashdraft.eval.prompts import EvalPrompt
+
+    calls: list[tuple[int, str, int]] = []
+
+    def recording(target, drafter, input_ids, **kw):  # noqa: ANN001, ANN003, ANN202
+        calls.append((len(input_ids), kw["method"], kw["max_new_tokens"]))
+        return fast.generate(target, drafter, input_ids, **kw)
+
+    seen: list[tuple] = []
+    monkeypatch.setattr(bench_mod, "pick_engine", lambda *a: seen.append(a) or ("fast-graph-prefill", recording))
+    target = tiny_target("qwen3")
+    prompts = [EvalPrompt(name, ids, "ids") for name, ids in [("a", [3, 8, 13]), ("b", [4, 8, 13, 21, 5])]]
+    rep = bench_mod.bench(target, tiny_drafter(target, seed=1), prompts, methods="ar,ddtree:4", max_new_tokens=6,
+                          engine="fast", graph_prefill=True, progress=False)  # fmt: skip
+    assert seen[0][-1] is True and rep.engine == "fast-graph-prefill"
+    assert calls[2:4] == [(5, "ar", 1), (5, "chain", 1)]  # after each method's warm-up on the first prompt
+    assert all(n == 6 for _, _, n in calls[4:])  # then only timed runs
