@@ -8,7 +8,7 @@
 #   bash benchmarks/gpu/slim_tree.sh back DIR              # the tree as it was: the copies dropped, DIR moved back
 #
 # PART: `models` (the shipped drafter, --init-from), `packs` (every results/campaign/stint-K/new-data.fdpack, for
-# --prev-data), `yardstick` (the last stint's yardstick reports, for REUSE=), or a path under benchmarks/results/.
+# --prev-data), `yardstick` (the shipped stint's yardstick reports, for REUSE=), or a path under benchmarks/results/.
 # Between `aside` and `back` the tree lacks tracked files: commit nothing (`git status` shows them deleted).
 set -euo pipefail
 cmd=${1:-}
@@ -44,9 +44,12 @@ aside)
         cp "$dir/$f" "benchmarks/$f"
       done
       ;;
-    yardstick)
-      last=$(cd "$dir/results/campaign" && ls -d stint-*/yardstick 2>/dev/null | sort -t- -k2 -n | tail -1)
-      [ -n "$last" ] || { echo "slim_tree: no stint has yardstick reports" >&2; exit 1; }
+    yardstick)  # the shipped drafter's: the last stint stints.jsonl marks promoted (call7's REUSE=)
+      last=$(python3 -c 'import json, sys
+rows = [json.loads(x) for x in open(sys.argv[1]) if x.strip()]
+print(max((r["stint"] for r in rows if r.get("promoted")), default=""))' "$dir/results/campaign/stints.jsonl")
+      last=stint-$last/yardstick
+      [ -d "$dir/results/campaign/$last" ] || { echo "slim_tree: no yardstick reports of the shipped stint ($last)" >&2; exit 1; }
       mkdir -p "benchmarks/results/campaign/$(dirname "$last")"
       cp -r "$dir/results/campaign/$last" "benchmarks/results/campaign/$last"
       ;;
