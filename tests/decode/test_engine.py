@@ -673,6 +673,25 @@ def test_graph_prefill_equals_the_eager_prefill_on_gpu():
     assert all(ph.graph is not None for k, ph in graphed._phases.items() if k[0] == "prefill")
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_an_engine_built_after_a_graphed_prefill_engine_was_deleted_captures_on_gpu():
+    """`engine_spans.py`'s order on the H100 (2026-12-07): engines with the eager prefill, then one with the
+    graphed prefill, deleted, then a larger engine, whose first AR graph failed to capture ("operation failed due
+    to a previous error during capture"). Each engine decodes; the last gives the first's tokens."""
+    target = tiny_target("llama", layers=2, dtype=torch.float32)
+    target.model.cuda()
+    drafter = tiny_drafter(target, layers=1, block_size=BLOCK).cuda()
+    prompt = [3 + (7 * i) % (target.vocab_size - 3) for i in range(150)]
+    want = {}
+    for max_len, graph_prefill in [(400, False), (400, True), (2048, False), (2048, True)]:
+        engine = FastEngine(target, drafter, max_len=max_len, max_budget=512, graph_prefill=graph_prefill)
+        for method, budget in [("ar", None), ("chain", None), ("ddtree", 16)]:
+            got = engine.generate(prompt, max_new_tokens=16, method=method, budget=budget).tokens
+            assert want.setdefault(method, got) == got, (max_len, graph_prefill, method)
+        del engine
+
+
 def test_phases_never_read_the_host():
     """A CUDA graph cannot hold a host read: no `.item()`-like op (incl. 0-d tensor indexing) in any phase."""
     from torch.utils._python_dispatch import TorchDispatchMode
