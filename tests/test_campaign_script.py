@@ -126,6 +126,7 @@ def test_only_sharegpt_and_codeio_are_trained_on(spec: str, capsys: pytest.Captu
     assert ("eval set" in err) if spec.startswith("humaneval") else ("standard library" in err)
     assert cs.check_training_input("sharegpt") == "sharegpt"
     assert cs.check_training_input("sharegpt:/s/x.json.gz") == "sharegpt:/s/x.json.gz"
+    assert cs.check_training_input("sharegpt-turns:/s/x.json.gz") == "sharegpt-turns:/s/x.json.gz"
     assert cs.check_training_input("codeio:/s/codeio.jsonl.gz") == "codeio:/s/codeio.jsonl.gz"
 
 
