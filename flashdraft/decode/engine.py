@@ -33,6 +33,7 @@ first use; the host knows the committed length from the rounds it read.
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -756,6 +757,10 @@ def generate(
     ar_reuse = fits and kwargs.get("method") == "ar" and (kept_target, *kept_build) == (id(target), *key[2:])
     if not ar_reuse and (not fits or _ENGINE.get("key") != key):
         _ENGINE.clear()
+        # the old engine's phases close over it (a cycle): collected now, its caches and graphs freed before the
+        # new engine allocates its own, not at some later collection (on a GPU, possibly during a capture)
+        eng = None
+        gc.collect()
         eng = FastEngine(target, drafter, max_len=need, compile_target=compile, compile_drafter=compile,
                          graph_prefill=graph_prefill)  # fmt: skip
         _ENGINE.update(engine=eng, key=key)

@@ -7,7 +7,9 @@ test replays the graphs on CUDA when there is one.
 
 from __future__ import annotations
 
+import gc
 import random
+import weakref
 
 import pytest
 import torch
@@ -232,6 +234,24 @@ def test_generate_keeps_one_engine_when_ar_and_drafted_calls_alternate(fast_engi
     fast.generate(target, None, prompt, max_new_tokens=2100, method="ar")
     assert fast.generate(target, drafter, prompt, max_new_tokens=12, method="chain").tokens == chain.tokens
     assert len(fast_engine_builds) == 3
+    # a rebuild frees the engine it replaces before it builds the next, though its phases close over it (a
+    # reference cycle); the automatic collector off, so that only the rebuild's own collection can free it
+    old = weakref.ref(fast._ENGINE["engine"])
+    build = fast.FastEngine.__init__
+    alive_at_build: list[bool] = []
+
+    def init(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        alive_at_build.append(old() is not None)
+        build(self, *args, **kwargs)
+
+    gc.disable()
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(fast.FastEngine, "__init__", init)
+            fast.generate(target, None, prompt, max_new_tokens=2100, method="ar")
+    finally:
+        gc.enable()
+    assert alive_at_build == [False]
 
 
 def test_native_support_refuses_other_families():
