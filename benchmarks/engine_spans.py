@@ -13,6 +13,7 @@ Every engine gives the same tokens (checked: float32 and bf16 may break near-tie
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 from pathlib import Path
@@ -99,6 +100,7 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"| {max_len} | {engine.capacity} | {over} | {label} | {r['prefill_ms']:.1f} | "
                   f"{r['round_ms']:.2f} | {same} |")  # fmt: skip
         del engine
+        gc.collect()  # its phases close over it: freed now, before the next engine allocates and captures
         if a.out:  # after every engine: the rows so far survive a later engine's failure
             atomic_write_text(a.out, json.dumps(result, indent=1))
     return result
