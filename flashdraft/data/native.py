@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from flashdraft.cuda_graphs import capture
 from flashdraft.data.loop import (
     Generation,
     GenerationParams,
@@ -139,18 +140,9 @@ class BatchedNativeTarget:
         self._ids.copy_(input_ids)
         self._len.copy_(lengths)
         if span not in self._graphs:
-            # warm-up on a side stream (lazy cuBLAS / kernel init), then capture. Both run the step on the
-            # current inputs: its cache writes are the ones the replay below makes anyway
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    step(self._ids, self._len, span)
-            torch.cuda.current_stream().wait_stream(side)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self._pool):
-                out = step(self._ids, self._len, span)
-            self._graphs[span] = (g, out)
+            # the warm-up and the capture run the step on the current inputs: its cache writes are the ones the
+            # replay below makes anyway
+            self._graphs[span] = capture(lambda: step(self._ids, self._len, span), pool=self._pool)
         g, out = self._graphs[span]
         g.replay()
         return out

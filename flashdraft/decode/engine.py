@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from flashdraft.cuda_graphs import capture
 from flashdraft.decode.device_tree import (
     TreeInputs,
     TreePlan,
@@ -94,19 +95,8 @@ class _Phase:
     ) -> None:
         self.fn = fn
         self.graph: Any = None
-        if use_graph:
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):  # warm-up outside the capture (cuBLAS handles, lazy inits)
-                for _ in range(2):
-                    fn()
-            torch.cuda.current_stream().wait_stream(stream)
-            g = torch.cuda.CUDAGraph()
-            if generator is not None:
-                g.register_generator_state(generator)  # sampling phases draw from our seeded generator
-            with torch.cuda.graph(g, pool=pool):
-                fn()
-            self.graph = g
+        if use_graph:  # sampling phases draw from our seeded generator
+            self.graph, _ = capture(fn, pool=pool, generator=generator)
 
     def __call__(self) -> None:
         if self.graph is not None:

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from flashdraft.cuda_graphs import capture
 from flashdraft.decode.native import (
     attention_geometry,
     fuse_projections,
@@ -160,15 +161,8 @@ class PackedTargetPass:
         caller's stream), its features cloned out."""
         if layer_ids not in self._graphs:
             static = {"ids": input_ids.clone(), "pos": position_ids.clone(), "doc": doc_ids.clone()}
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):  # warm-up outside the capture: the compilation, lazy inits
-                for _ in range(2):
-                    self._masked_forward(static["ids"], static["pos"], static["doc"], layer_ids)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                out = self._masked_forward(static["ids"], static["pos"], static["doc"], layer_ids)
+            # the warm-up outside the capture compiles the pass
+            graph, out = capture(lambda: self._masked_forward(static["ids"], static["pos"], static["doc"], layer_ids))
             self._graphs[layer_ids] = (graph, static, out)
         graph, static, out = self._graphs[layer_ids]
         static["ids"].copy_(input_ids)
