@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -448,6 +448,31 @@ class DFlashDrafter(nn.Module):
                     nn.init.zeros_(m.bias)
             elif isinstance(m, RMSNorm):
                 nn.init.ones_(m.weight)
+
+    def grown(self, extra_layers: int, std: float = 0.02) -> DFlashDrafter:
+        """A copy with `extra_layers` new decoder layers after its own (full attention, seeded by the caller's
+        torch RNG): random like a fresh drafter's, except their output projections (attention o_proj, MLP
+        down_proj), which are zero. Each new layer then adds nothing to the residual stream, so the grown
+        drafter computes this one's function exactly until training moves them: a deeper drafter that keeps what
+        the trained layers learned (train config model.grow_layers)."""
+        if extra_layers < 1:
+            raise ValueError(f"extra_layers {extra_layers}: grow by at least one layer")
+        c = self.config
+        types = None if c.layer_types is None else [*c.layer_types, *["full_attention"] * extra_layers]
+        cfg = replace(
+            c, num_hidden_layers=c.num_hidden_layers + extra_layers, layer_types=types, extra=dict(c.extra)
+        )
+        param = next(self.parameters())
+        new = DFlashDrafter(cfg)
+        new.reset_parameters(std=std)
+        new.load_state_dict(self.state_dict(), strict=False)  # every key of self; the new layers' stay
+        with torch.no_grad():
+            for layer in new.layers[c.num_hidden_layers :]:
+                layer.self_attn.o_proj.weight.zero_()
+                layer.mlp.down_proj.weight.zero_()
+                if layer.self_attn.o_proj.bias is not None:
+                    layer.self_attn.o_proj.bias.zero_()
+        return new.to(device=param.device, dtype=param.dtype).train(self.training)
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions[..., None].float() * self.inv_freq.float()  # [b, n, head_dim/2]

@@ -166,6 +166,21 @@ def test_init_from_a_drafter_folder_starts_from_its_weights(tmp_path: Path) -> N
         build_drafter(cfg, t, torch.device("cpu"), torch.float32)
 
 
+def test_grow_layers_deepens_a_loaded_drafter(tmp_path: Path) -> None:
+    t = tiny_target("llama", dtype=torch.float32)
+    d = tiny_drafter(t, block_size=8)
+    d.save_pretrained(tmp_path / "d")
+    base = ["data.dataset=x", "model.block_size=8", f"model.init_from={tmp_path / 'd'}"]
+    cfg = load_config(TrainConfig, None, [*base, "model.grow_layers=2"])
+    got = build_drafter(cfg, t, torch.device("cpu"), torch.float32)
+    n = d.config.num_hidden_layers
+    assert got.training and got.config.num_hidden_layers == n + 2
+    kept = {k: v for k, v in got.state_dict().items() if k in d.state_dict()}
+    assert len(kept) == len(d.state_dict()) and all(torch.equal(v, d.state_dict()[k]) for k, v in kept.items())
+    again = build_drafter(cfg, t, torch.device("cpu"), torch.float32)  # seeded: a resumed run builds the same
+    assert all(torch.equal(a, b) for a, b in zip(got.state_dict().values(), again.state_dict().values(), strict=True))
+
+
 def _manifest(path: Path, samples: int, loss: int) -> None:
     path.mkdir(parents=True)
     (path / "manifest.json").write_text(

@@ -240,6 +240,32 @@ def test_sliding_window_layer_masks_far_keys():
     assert g2[0, :4].abs().sum() == 0 and g2[0, 4:].abs().sum() > 0
 
 
+def test_a_grown_drafter_computes_the_same_function_and_trains_its_new_layers(tmp_path):
+    cfg = small_cfg(layer_types=["sliding_attention", "full_attention"], sliding_window=3)
+    d = make(cfg, torch.float64)
+    g = d.grown(3, std=0.2)
+    assert g.config.num_hidden_layers == 5 and len(g.layers) == 5 and not g.training
+    assert g.config.layer_types == ["sliding_attention", "full_attention"] + ["full_attention"] * 3
+    assert cfg.num_hidden_layers == 2 and len(d.layers) == 2  # the original is untouched
+    new = g.layers[2:]
+    assert all(layer.self_attn.q_proj.weight.abs().sum() > 0 for layer in new)  # random, not zero
+    assert all(p.dtype == torch.float64 for p in g.parameters())
+    th, ne, pos = inputs(cfg, dtype=torch.float64)
+    assert torch.equal(g(th, ne, pos), d(th, ne, pos))  # zero output projections: nothing added
+    # the loss reaches the new layers: their output projections first, then (once those move) the rest
+    g.train()
+    out = g(th, ne, pos)
+    out.square().sum().backward()
+    assert all(layer.self_attn.o_proj.weight.grad.abs().sum() > 0 for layer in new)
+    assert all(layer.mlp.down_proj.weight.grad.abs().sum() > 0 for layer in new)
+    g.save_pretrained(tmp_path / "grown")
+    back = DFlashDrafter.from_pretrained(tmp_path / "grown", dtype=torch.float64)
+    assert back.config.num_hidden_layers == 5
+    assert torch.equal(back(th, ne, pos), d(th, ne, pos))
+    with pytest.raises(ValueError, match="at least one layer"):
+        d.grown(0)
+
+
 @pytest.mark.parametrize(
     "kw, msg",
     [(dict(mask_token_id=50), "mask_token_id 50 is outside the target embedding"),

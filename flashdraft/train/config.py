@@ -37,6 +37,13 @@ class ModelConfig:
     # and start fc as the deepest feature (flashdraft.target.init_drafter_from_target). Off: the paper
     # trains from scratch; the CPU quickstart's briefly trained drafter uses it (benchmarks/RESULTS.md)
     init_from_target: str = "none"
+    # with init_from: N new layers after the loaded drafter's, their output projections zero so it starts as the
+    # loaded drafter's function (DFlashDrafter.grown); a deeper drafter without giving up the trained layers.
+    # The other shape fields (num_layers, heads, …) are the loaded drafter's, whatever this config says
+    grow_layers: int = 0
+
+    # keys added after runs stored their config hash, at the value those runs had (`hashed_section`)
+    ADDED: ClassVar[dict[str, Any]] = {"grow_layers": 0}
 
 
 @dataclass
@@ -278,6 +285,12 @@ class TrainConfig:
             raise ConfigError(f"model.block_size {m.block_size} must be >= 2 (slot 0 is the anchor)")
         if m.num_layers < 1:
             raise ConfigError(f"model.num_layers {m.num_layers} must be >= 1")
+        if m.grow_layers < 0:
+            raise ConfigError(f"model.grow_layers {m.grow_layers} must be >= 0")
+        if m.grow_layers and not m.init_from:
+            raise ConfigError(
+                f"model.grow_layers {m.grow_layers} adds layers to a loaded drafter: set model.init_from"
+            )
         if self.loss.gamma is None and m.block_size not in (16, 10, 8):
             raise ConfigError(
                 f"model.block_size {m.block_size} has no default loss decay: set loss.gamma (e.g. loss.gamma=5)"

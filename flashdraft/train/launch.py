@@ -113,6 +113,9 @@ def build_drafter(cfg: TrainConfig, target: Any, device: torch.device, dtype: to
                 f"model.init_from {m.init_from} has block_size {drafter.config.block_size}, the config says "
                 f"{m.block_size}: set model.block_size={drafter.config.block_size}"
             )
+        if m.grow_layers:
+            torch.manual_seed(cfg.runtime.seed)
+            drafter = drafter.grown(m.grow_layers, std=m.init_std)
     else:
         try:
             dcfg = drafter_config_for(

@@ -51,6 +51,8 @@ def test_unknown_keys_and_bad_values_are_errors(overrides, message):
         (["data.dataset=x", "optim.betas=[0.9]"], "optim.betas"),
         (["data.dataset=x", "data.max_anchors=0"], "data.max_anchors 0 must be >= 1"),
         (["data.dataset=x", "data.loop_anchor_weight=0"], "data.loop_anchor_weight 0.0 must be > 0"),
+        (["data.dataset=x", "model.grow_layers=2"], "model.grow_layers 2 adds layers to a loaded drafter: set model.init_from"),
+        (["data.dataset=x", "model.init_from=d", "model.grow_layers=-1"], "model.grow_layers -1 must be >= 0"),
         (["data.dataset=x", "runtime.attention=magic"], "runtime.attention"),
         (["data.dataset=x", "runtime.compile=true"], "runtime.compile 'True': use none or a comma-separated"),
         (["data.dataset=x", "runtime.compile=attention,lossy"], "runtime.compile 'attention,lossy'"),
@@ -177,6 +179,10 @@ def test_a_run_config_saved_before_the_knob_removals_still_loads_and_hashes_the_
     assert config_hash(load_config(TrainConfig, None, ["data.dataset=x", "data.loop_anchor_weight=0.3"])) != (
         "1f4b703e10f539b5"
     )
+    grown = ["data.dataset=x", "model.init_from=d"]
+    assert config_hash(load_config(TrainConfig, None, [*grown, "model.grow_layers=0"])) == config_hash(
+        load_config(TrainConfig, None, grown)
+    ) != config_hash(load_config(TrainConfig, None, [*grown, "model.grow_layers=2"]))
 
 
 @pytest.mark.parametrize(

@@ -173,3 +173,19 @@ def test_resume_with_another_architecture_names_the_setting(two_checkpoints, tmp
         _train(run, "optim.max_steps=6", "checkpoint.every=3", override, resume=True)
     beat = json.loads((run / HEARTBEAT_FILE).read_text())
     assert beat["state"] == "failed" and beat["reason"].startswith("ConfigError: --resume:")
+
+
+def test_a_grown_drafter_trains_its_new_layer_and_resumes(two_checkpoints, tmp_path):
+    from safetensors.torch import load_file
+
+    start = two_checkpoints / "checkpoints" / "step-00000006" / "drafter"
+    run = tmp_path / "grown"
+    grow = [f"model.init_from={start}", "model.grow_layers=1", "checkpoint.every=2"]
+    _train(run, "optim.max_steps=2", *grow)
+    saved = json.loads((run / "checkpoints" / "step-00000002" / "drafter" / "config.json").read_text())
+    assert saved["num_hidden_layers"] == 2
+    weights = load_file(str(run / "checkpoints" / "step-00000002" / "drafter" / "model.safetensors"))
+    weights = {k.removeprefix("model."): v for k, v in weights.items()}
+    assert weights["layers.1.self_attn.o_proj.weight"].abs().sum() > 0  # started at zero, trained since
+    res = _train(run, "optim.max_steps=4", *grow, resume=True)  # resumes into the grown shape
+    assert res.steps == 4 and [m["step"] for m in read_metrics(run)] == [1, 2, 3, 4]
