@@ -10,7 +10,9 @@ only / both, and the compiled forwards against eager and float32 ones, teacher-f
    compiled (`NativeTarget.compiled_forward`) and, unless --dtype is float32, a float32 copy of the target. Argmax
    agreement, max |Δlogit|, and per captured layer max |Δfeature| / max |feature| and RMS(Δ) / RMS(feature).
 3. The drafting step (`NativeDrafter.step` / `compiled_step`) along the same text, fed the eager target's features
-   (1-9 new context rows a step): τ of each against the text, argmax agreement per slot, against a float32 step too.
+   (1-9 new context rows a step): τ of each against the text, argmax agreement per slot, against a float32 step too;
+   and the eager step fed the compiled target's features (`eager_on_compiled_features`: each row's from a compiled
+   forward of q rows, as a compiled engine's verify gives them), which is what the compiled engine's drafter reads.
 
     python benchmarks/compile_tau.py --device cpu --dtype bfloat16 --threads 2 --prompts 1 --max-new-tokens 48
     python benchmarks/compile_tau.py --target <bf16 folder> --drafter <folder> --dataset humaneval:<HumanEval.jsonl.gz> \
@@ -165,18 +167,40 @@ def target_forced(target: TargetModel, target32: TargetModel | None, texts: list
             "features": layers}  # fmt: skip
 
 
+def compiled_features(native: NativeTarget, seq: torch.Tensor, layer_ids: list[int], q: int = 16) -> torch.Tensor:
+    """Every row's features from the compiled target forward, q rows at a time (the last chunk ends at the text's
+    end, overlapping the one before: one shape), each chunk attending to the K/V the chunks before it wrote, as in a
+    compiled engine's verifies."""
+    n, dev = len(seq), seq.device
+    ar = torch.arange(n, device=dev)
+    native.forward(seq, ar, ar, ar[None] <= ar[:, None], logits=False)  # every row's K/V (eager) first
+    out = torch.empty(n, len(layer_ids) * native.target.hidden_size, dtype=native.target.dtype, device=dev)
+    for c in range(0, n, q):
+        c = max(0, min(c, n - q))
+        pos = ar[c : c + q]
+        allowed = torch.arange(_span(c + len(pos), native.capacity), device=dev)[None] <= pos[:, None]
+        got = native.compiled_forward(seq[c : c + q], pos, pos, allowed, layer_ids=layer_ids).features
+        assert got is not None
+        out[c : c + q] = got
+    return out
+
+
 def drafter_forced(target: TargetModel, drafter: DFlashDrafter, target32: TargetModel | None,
                    drafter32: DFlashDrafter | None, texts: list[list[int]], starts: list[int],
-                   stride: int = 4) -> dict[str, Any]:  # fmt: skip
-    """Part 3: eager vs compiled (vs float32) drafting steps along each text, fed the eager target's features."""
+                   stride: int = 4, q: int = 16) -> dict[str, Any]:  # fmt: skip
+    """Part 3: eager vs compiled (vs float32) drafting steps along each text, fed the eager target's features, and
+    the eager step fed the compiled target's."""
     b = drafter.block_size
     cap = _span(max(map(len, texts)) + b, 1 << 30)
     dev = target.device
     native = NativeTarget(target, cap)
-    steps = {"eager": NativeDrafter(drafter, target, cap), "compiled": NativeDrafter(drafter, target, cap)}
+    steps = {"eager": NativeDrafter(drafter, target, cap), "compiled": NativeDrafter(drafter, target, cap),
+             "eager_on_compiled_features": NativeDrafter(drafter, target, cap)}  # fmt: skip
     if drafter32 is not None and target32 is not None:
         steps["fp32"] = NativeDrafter(drafter32, target32, cap)
-    pairs = [p for p in [("eager", "compiled"), ("eager", "fp32"), ("compiled", "fp32")] if p[1] in steps]
+    pairs = [("eager", "compiled"), ("eager", "fp32"), ("compiled", "fp32"), ("eager", "eager_on_compiled_features")]
+    pairs = [p for p in pairs if p[1] in steps]
+    ids = list(drafter.target_layer_ids)
     stats = {p: _Stats() for p in pairs}
     slot_agree = [0] * (b - 1)
     accepted: dict[str, list[int]] = {k: [] for k in steps}
@@ -185,16 +209,16 @@ def drafter_forced(target: TargetModel, drafter: DFlashDrafter, target32: Target
         seq = torch.tensor(seq_list, device=dev)
         n = len(seq)
         ar = torch.arange(n, device=dev)
-        feats = native.forward(seq, ar, ar, ar[None] <= ar[:, None], layer_ids=list(drafter.target_layer_ids),
-                               logits=False).features  # fmt: skip
+        feats = native.forward(seq, ar, ar, ar[None] <= ar[:, None], layer_ids=ids, logits=False).features
         assert feats is not None
+        by_step = {"fp32": feats.float(), "eager_on_compiled_features": compiled_features(native, seq, ids, q)}
         for c in range(start + 1, n - b + 1, stride):  # the bonus at c; slots 1..b-1 against seq[c+1 : c+b]
             # new context rows in the pending block, as after a round that accepted m
             m = min(c, 1 + c % min(9, b))
             span = _span(c + b, cap)
             outs = {}
             for name, nd in steps.items():
-                f = feats.float() if name == "fp32" else feats
+                f = by_step.get(name, feats)
                 nd.cache.zero_()
                 nd.write_context(f[: c - m], ar[: c - m])
                 args = (f[c - m : c - m + b], ar[m : m + 1], ar[c : c + 1], seq[c : c + 1], mask_ids)
@@ -234,7 +258,7 @@ def run(target: TargetModel, drafter: DFlashDrafter, prompts: list[list[int]], n
     if save:
         save(result)
     result["drafter_forced"] = drafter_forced(
-        target, drafter, target32, drafter32, texts, starts, draft_stride
+        target, drafter, target32, drafter32, texts, starts, draft_stride, q
     )
     if save:
         save(result)
