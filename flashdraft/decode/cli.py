@@ -81,6 +81,9 @@ def register(app: typer.Typer) -> None:
         compile: bool = typer.Option(
             False, "--compile", help="fast engine: forwards through torch.compile (bf16 near-ties may vary)"
         ),
+        graph_prefill: bool = typer.Option(
+            False, "--graph-prefill", help="fast engine on CUDA: each prompt's prefill as a CUDA graph"
+        ),
     ) -> None:
         """Generate one completion with DFlash speculative decoding and print a summary line."""
         import torch
@@ -151,7 +154,8 @@ def register(app: typer.Typer) -> None:
                 ids = tok(prompt, return_tensors="pt")["input_ids"][0]
         stop = [] if ignore_eos or tok is None else _stop_ids(tok, t.model)
         try:
-            engine_name, run_generate = pick_engine(t, engine, compile)  # the same signature, token-identical
+            # the same signature, token-identical
+            engine_name, run_generate = pick_engine(t, engine, compile, graph_prefill)
         except ValueError as e:
             raise typer.BadParameter(str(e)) from None
         policy = None

@@ -50,6 +50,9 @@ def register(app: typer.Typer) -> None:
         compile: bool = typer.Option(
             False, "--compile", help="fast engine: forwards through torch.compile (bf16 near-ties may vary)"
         ),
+        graph_prefill: bool = typer.Option(
+            False, "--graph-prefill", help="fast engine on CUDA: each prompt's prefill as a CUDA graph"
+        ),
         threads: int | None = typer.Option(
             None,
             help="CPU threads for torch (on a shared CPU, 1 avoids OpenMP threads spinning against each other)",
@@ -90,6 +93,7 @@ def register(app: typer.Typer) -> None:
             limits=Limits(max_tokens_cap=max_tokens_cap),
             engine=engine,
             compile=compile,
+            graph_prefill=graph_prefill,
         )
         try:
             engine = build_engine(opts)

@@ -41,6 +41,7 @@ class ServeOptions:
     limits: Limits = field(default_factory=Limits)
     engine: str = "auto"  # flashdraft.decode.backend: the CUDA-graph engine on CUDA, else the reference
     compile: bool = False  # the fast engine's forwards through torch.compile
+    graph_prefill: bool = False  # the fast engine's prefill as a CUDA graph per prompt-length bucket
 
 
 def model_id_for(target: str) -> str:
@@ -87,7 +88,7 @@ def build_engine(opts: ServeOptions) -> Engine:
         method = "ar"
     if method == "ddtree" and opts.budget is None:
         raise ValueError("method ddtree needs --budget N (tree nodes, root excluded)")
-    engine_name, generate = pick_engine(target, opts.engine, opts.compile)
+    engine_name, generate = pick_engine(target, opts.engine, opts.compile, opts.graph_prefill)
     log.info("decoding with the %s engine", engine_name)
     settings = EngineSettings(
         method=method,

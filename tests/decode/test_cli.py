@@ -33,7 +33,11 @@ def test_generate_command(tmp_path):
     res = runner.invoke(app, [*args, "--method", "chain"])
     assert res.exit_code == 0 and res.stdout.strip().splitlines()[0] == " ".join(map(str, expected))
 
-    # errors: ddtree without a budget, a drafter made for another target, no prompt
+    # errors: a CPU prefill as a CUDA graph, ddtree without a budget, a drafter made for another target, no prompt
+    res = runner.invoke(app, [*args, "--method", "chain", "--graph-prefill"])
+    assert res.exit_code == 2 and "--graph-prefill: only the fast engine on a CUDA target" in res.output
+    res = runner.invoke(app, [*args, "--method", "chain", "--graph-prefill", "--engine", "fast"])
+    assert res.exit_code == 2 and "--graph-prefill: CUDA graphs need a CUDA target" in res.output
     res = runner.invoke(app, [*args, "--method", "ddtree"])
     assert res.exit_code != 0 and "--budget" in res.output
     other = tiny_target("llama", dtype=torch.float32, layers=6)

@@ -88,6 +88,13 @@ def test_shipped_drafter_is_the_default_only_when_present(
     assert server.model_id_for("/m/Qwen3-8B/") == "Qwen3-8B" and server.model_id_for("a/b.gguf") == "b"
 
 
+def test_serve_graph_prefill_needs_a_cuda_target(tmp_path: Path) -> None:
+    t = tiny_target("llama", dtype=torch.float32)
+    t.model.save_pretrained(tmp_path / "target")
+    r = runner.invoke(app, ["serve", "--target", str(tmp_path / "target"), "--drafter", "none", "--graph-prefill"])
+    assert r.exit_code == 2 and "--graph-prefill: only the fast engine on a CUDA target" in r.output
+
+
 def test_serve_refuses_unknown_engine_before_loading() -> None:
     r = runner.invoke(app, ["serve", "--engine", "turbo"])
     assert r.exit_code != 0 and "--engine 'turbo': use auto, fast, reference" in r.output
