@@ -37,7 +37,7 @@ def test_the_writer_makes_the_documented_jsonl(tmp_path: Path) -> None:
     lines = [json.loads(x) for x in gzip.decompress(out.read_bytes()).decode().splitlines()]
     assert [r["prompt"] for r in lines] == ["What is 1 + 2?", "Sort 3, 1, 2."]
     for r, task in zip(lines, ("sum", "sort"), strict=True):
-        assert set(r) == {"id", "prompt"}
+        assert set(r) == {"id", "prompt", "group"} and r["group"] == task
         assert r["id"] == f"rg-{task}-{hashlib.sha256(r['prompt'].encode()).hexdigest()[:16]}"
     first = out.read_bytes()
     with pytest.raises(FileExistsError):

@@ -63,8 +63,9 @@ REVIEWED_PROMPT_FILES = {
         "benchmarks/pypi_prompts.py --set 2: 8,446 prompts four more pinned wheels ship (benchmark test splits)",
     "33282732233ac68832c1cbbf7de6e902cd6cbfdc3068476764468d0443483268":
         "benchmarks/pypi_prompts.py --set 3: 7,627 prompts of three wheels of sets 1-2 and two more (test splits)",
-    "d798aec0a0794ac2e53c1bec3e3fc7bacf21543251fdf50a30d713baf7e39c9a":
-        "benchmarks/reasoning_gym_prompts.py: 9,929 questions of 81 procedural reasoning-gym 0.1.25 generators",
+    "c31aba1b32c3c4b7677856f1749a2abda9d1eceb5f8f0089e3b8571d7119868d":
+        "benchmarks/reasoning_gym_prompts.py: 9,929 questions of 81 procedural reasoning-gym 0.1.25 generators, "
+        "grouped by generator",
 }  # fmt: skip
 TEMPERATURES = (0.7, 0.9, 1.0)  # sampled answers: other answers to the same prompts at every stint
 SEED_BASE = 100  # the shipped drafter's data used seeds 0..2: stint seeds start above them

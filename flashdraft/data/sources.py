@@ -401,7 +401,8 @@ def read_messages(path: Path | None) -> Iterator[Item]:
 
 
 @register_source(
-    "prompts", description="one prompt per line (.txt), or JSONL of {id?, prompt|text} or strings"
+    "prompts",
+    description="one prompt per line (.txt), or JSONL of {id?, prompt|text, group?} (group: prompts split together)",
 )
 def read_prompts(path: Path | None) -> Iterator[Item]:
     if path is None:
@@ -421,17 +422,19 @@ def read_prompts(path: Path | None) -> Iterator[Item]:
         if isinstance(obj, BadRecord):
             yield obj
             continue
-        bad = _unknown(obj, {"id", "prompt", "text"}, "record")
-        text = obj.get("prompt", obj.get("text"))
+        bad = _unknown(obj, {"id", "prompt", "text", "group"}, "record")
+        text, group = obj.get("prompt", obj.get("text")), obj.get("group")
         if bad is None and not isinstance(text, str):
             bad = "no string 'prompt' (or 'text') field"
         if bad is None and not text.strip():
             bad = "empty prompt"
+        if bad is None and group is not None and not (isinstance(group, str) and group):
+            bad = "'group' must be a non-empty string (prompts of one group go to the same split)"
         if bad:
             yield BadRecord(str(path), line, bad)
         else:
             cid = str(obj["id"]) if obj.get("id") is not None else f"{path.name}:{line}"
-            yield Conversation(cid, [Turn("user", text)], source="prompts")
+            yield Conversation(cid, [Turn("user", text)], source="prompts", group=group)
 
 
 CODEIO_TEMPLATE = "Write a Python function that solves this task.\n\n{task}\n\n{spec}"

@@ -323,6 +323,14 @@ def _model_flops_line(s: RunSummary) -> list[str]:
     ]
 
 
+def _drafter_shape(model: dict[str, Any]) -> str:
+    """The drafter's depth as the config decides it: its own, or that of the drafter it started from."""
+    if not model.get("init_from"):
+        return f"{model.get('num_layers', '-')} layers"
+    grow = model.get("grow_layers") or 0
+    return f"from `{model['init_from']}`" + (f" with {grow} layers added" if grow else "")
+
+
 def status_markdown(s: RunSummary, now: float | None = None) -> str:
     now = time.time() if now is None else now
     cfg = s.config
@@ -336,7 +344,7 @@ def status_markdown(s: RunSummary, now: float | None = None) -> str:
         "## Config",
         f"- folder: `{s.path}`",
         f"- config digest: `{s.config_digest}` (sha256 of config.yaml)",
-        f"- target: `{model.get('target', '-')}`; drafter {model.get('num_layers', '-')} layers, "
+        f"- target: `{model.get('target', '-')}`; drafter {_drafter_shape(model)}, "
         f"block {model.get('block_size', '-')}; dataset `{data.get('dataset', '-')}`",
         f"- pipeline: {(cfg.get('pipeline') or {}).get('mode', '-')}; "
         f"distributed: {(cfg.get('distributed') or {}).get('strategy', '-')}",

@@ -115,6 +115,22 @@ def test_messages_and_prompts(tmp_path):
         load_conversations(str(tmp_path / "missing.jsonl"))
 
 
+def test_prompts_of_one_group_share_their_split_key(tmp_path):
+    from flashdraft.data.regenerate import RegenConfig, collect_conversations
+
+    rows = [{"id": "a1", "prompt": "Add 1 and 2.", "group": "sum"}, {"id": "a2", "prompt": "Add 3 and 4.", "group": "sum"},
+            {"id": "b1", "prompt": "Sort 3, 1, 2."}, {"prompt": "x", "group": 7}]  # fmt: skip
+    path = tmp_path / "p.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    stats = SourceStats(max_bad_fraction=0.5)
+    got = load_conversations(f"prompts:{path}", stats=stats)
+    assert [(c.id, c.group) for c in got] == [("a1", "sum"), ("a2", "sum"), ("b1", None)]
+    assert stats.bad[0].line == 4 and "'group' must be a non-empty string" in stats.bad[0].reason
+    convs, _, _ = collect_conversations(RegenConfig(inputs=[f"prompts:{path}"], out="y", max_bad_fraction=0.5))
+    # what the samples' train/eval split hashes: a group's prompts go to one split together
+    assert [c.group or c.id for c in convs] == ["prompts/sum", "prompts/sum", "prompts/b1"]
+
+
 BAD_LINES = [
     ('{"messages": [{"role": "user", "content": "ok"}]', "malformed JSON"),
     ('{"messages": [{"content": "no role"}]}', "has no 'role'"),

@@ -77,6 +77,14 @@ def test_status_prints_and_writes_markdown(run):
     assert r.exit_code == 1 and "not a run folder" in r.output
 
 
+def test_status_names_the_drafters_depth_as_its_config_decides_it() -> None:
+    from flashdraft.train.runs import _drafter_shape
+
+    assert _drafter_shape({"num_layers": 5}) == "5 layers"
+    assert _drafter_shape({"num_layers": 5, "init_from": "models/d"}) == "from `models/d`"
+    assert _drafter_shape({"init_from": "models/d", "grow_layers": 3}) == "from `models/d` with 3 layers added"
+
+
 def test_status_shows_model_flops_and_mfu_when_logged(run):
     s = summarize(run / "alpha")  # trained without telemetry.peak_tflops: model FLOP/s, no mfu
     assert s.model_tflops_per_s > 0 and s.mfu is None
