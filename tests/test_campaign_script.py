@@ -51,6 +51,21 @@ def test_dry_run_regenerates_a_slice_of_the_conversations(capsys: pytest.Capture
     assert (regen["skip"], regen["limit"], regen["max_turns"], regen["temperature"]) == (4096, 6144, 3, 0.0)
 
 
+def test_self_prompts_are_written_first_then_answered_alone(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--stint", "18", "--temperature", "0", "--max-turns", "1", "--self-prompts", "20000", "--self-opening",
+            "Write a Python function that", "--self-opening", "", "--phases", "regen", "--work", "/w", "--dry-run"]  # fmt: skip
+    assert cs.main(argv) == 0
+    cmd = json.loads(capsys.readouterr().out)
+    made = _parse(cmd["self-prompts"])
+    assert (made["out"], made["n"], made["seed"], made["opening"]) == (
+        "/w/self-prompts.jsonl.gz", 20000, cs.plan_for(18).seed, ["Write a Python function that", ""]
+    )
+    assert made["device"] == "cuda" and made["engine"] == "native" and made["overwrite"]
+    regen = _parse(cmd["regen"])
+    assert regen["input"] == ["prompts:/w/self-prompts.jsonl.gz"]  # no ShareGPT unless --input asks for it
+    assert regen["contamination"] == [f"humaneval:{HE}"] and regen["temperature"] == 0.0
+
+
 def test_dry_run_commands_parse_with_the_cli(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["--stint", "4", "--prev-data", "/c/prev", "--budget-min", "9.5", "--regen-min", "3", "--eval-min", "2",
             "--work", "/w", "--dry-run"]  # fmt: skip
@@ -447,6 +462,28 @@ def test_regeneration_out_of_gpu_memory_goes_on_with_half_the_batch_tokens(tmp_p
     st.regen(4.0)
     assert [_parse(r)["max_batch_tokens"] for r in ran] == [2_500_000, 1_250_000]
     assert _parse(ran[1])["time_limit"] <= 4.0 and "regen" in st.state["done"]
+
+
+def test_self_prompts_run_before_the_regeneration_which_answers_them_in_the_minutes_left(tmp_path: Path) -> None:
+    argv = ["--stint", "18", "--self-prompts", "500", "--work", str(tmp_path), "--out", str(tmp_path / "out")]
+    st = cs.Stint(cs.parse_args(argv))
+    (tmp_path / "out").mkdir()
+    ran: list[tuple[str, list[str]]] = []
+
+    def run(phase: str, args: list[str], timeout_min: float) -> int:
+        ran.append((phase, args))
+        if phase == "regen":
+            _manifest(tmp_path / "new", 10, 1000)
+        return 0
+
+    st.run = run  # type: ignore[method-assign]
+    st.regen(3.0)
+    assert [p for p, _ in ran] == ["self-prompts", "regen"]
+    regen = _parse(ran[1][1])
+    assert regen["input"] == [f"prompts:{tmp_path / cs.SELF_PROMPTS}"] and regen["time_limit"] <= 3.0
+    assert st.state["done"] == ["self-prompts", "regen"]
+    st.regen(3.0)  # done: nothing runs again
+    assert len(ran) == 2
 
 
 @pytest.mark.parametrize(

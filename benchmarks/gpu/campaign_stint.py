@@ -25,7 +25,8 @@ wheels ship, `benchmarks/pypi_prompts.py`; the questions of reasoning-gym's proc
 `benchmarks/reasoning_gym_prompts.py`), all staged by make_stage.py, are trained on (`check_training_input`):
 HumanEval is the eval, and other user files (`messages:`, `prompts:`) could hold prompts derived from the Python
 standard library's documentation or source; every regeneration and merge drops training prompts sharing a word
-13-gram with HumanEval (`--contamination`).
+13-gram with HumanEval (`--contamination`). With --self-prompts N the target first writes N user messages itself
+(`flashdraft data self-prompts`, seeded by the stint: no document behind them), which the regeneration answers.
 
 What comes back in --out ($OUT, at most 8 files): stint.json (minutes per phase, training minutes and steps,
 new and cumulative samples / loss tokens, the last validation τ, the eval's τ; one line of
@@ -68,6 +69,7 @@ REVIEWED_PROMPT_FILES = {
         "grouped by generator",
 }  # fmt: skip
 TEMPERATURES = (0.7, 0.9, 1.0)  # sampled answers: other answers to the same prompts at every stint
+SELF_PROMPTS = "self-prompts.jsonl.gz"  # in the stint's work folder: --self-prompts' messages
 SEED_BASE = 100  # the shipped drafter's data used seeds 0..2: stint seeds start above them
 SHIP_MIN = 0.4  # minutes kept at the end of a call for the bf16 drafter, the tar and its parts (0.10-0.15 in stints 1-3)
 # of the training phase's minutes, those before the trainer's clock starts (target load, validation references,
@@ -147,6 +149,18 @@ class Budget:
         return cls(regen, eval_, round(train, 2))
 
 
+def self_prompts_args(a: argparse.Namespace, plan: StintPlan, out: Path) -> list[str]:
+    """`flashdraft data self-prompts`: --self-prompts messages the target writes, seeded by the stint."""
+    args = [
+        "data", "self-prompts", "--target", a.target, "--out", str(out), "--n", str(a.self_prompts), "--seed",
+        str(plan.seed), "--device", "cuda", "--dtype", "bfloat16", "--engine", "native", "--batch-size", "512",
+        "--max-batch-tokens", str(a.max_batch_tokens), "--attention", a.attention, "--overwrite",
+    ]  # fmt: skip
+    for opening in a.self_opening:
+        args += ["--opening", opening]
+    return args
+
+
 def regen_args(a: argparse.Namespace, plan: StintPlan, out: Path, minutes: float) -> list[str]:
     # greedy runs stream every shard through one native call and stop at --time-limit, keeping the finished
     # shards and the turns the others had answered (sampled runs go shard by shard, starting none that would end
@@ -161,6 +175,8 @@ def regen_args(a: argparse.Namespace, plan: StintPlan, out: Path, minutes: float
     ]  # fmt: skip
     for spec in a.input:
         args += ["--input", check_training_input(spec)]
+    if a.self_prompts:  # written by the target itself in this stint (self_prompts_args): no document behind them
+        args += ["--input", f"prompts:{out.parent / SELF_PROMPTS}"]
     for spec in a.continue_from:  # a pack as the folder Stint.unpack puts it in
         args += ["--continue-from", str(prev_dataset(spec, out.parent))]
     if a.limit is not None:
@@ -316,6 +332,15 @@ class Stint:
         if "regen" in self.state["done"]:
             return
         self.unpack(self.a.continue_from)
+        if self.a.self_prompts and "self-prompts" not in self.state["done"]:
+            t = time.perf_counter()
+            rc = self.run("self-prompts", self_prompts_args(self.a, stint_plan(self.a), self.work / SELF_PROMPTS), minutes)
+            if rc != 0:
+                raise StintError(f"self-prompts failed (exit {rc}): see stint.log")
+            self.state["done"].append("self-prompts")
+            minutes = round(minutes - (time.perf_counter() - t) / 60, 2)
+            if minutes < 0.3:
+                raise StintError("self-prompts took the regeneration's minutes: raise --regen-min or lower --self-prompts")
         t, start = time.perf_counter(), self.log_size()
         rc = self.run("regen", regen_args(self.a, stint_plan(self.a), new, minutes), minutes + 2.5)
         left = minutes - (time.perf_counter() - t) / 60
@@ -556,6 +581,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--temperature", type=float, default=None, help="instead of the stint's (0: greedy answers)"
     )
     p.add_argument("--max-turns", type=int, default=None, help="instead of the stint's: user turns answered")
+    p.add_argument(
+        "--self-prompts", type=int, default=0, metavar="N",
+        help="first write N user messages with the target itself (`flashdraft data self-prompts`, seeded by the stint) "
+        "and answer them too; with no --input, only them",
+    )  # fmt: skip
+    p.add_argument(
+        "--self-opening", action="append", default=[],
+        help="text a share of those messages starts with (repeatable; `flashdraft data self-prompts --opening`)",
+    )
     p.add_argument("--skip", type=int, default=0, help="regenerate from the (N+1)-th conversation on")
     p.add_argument(
         "--limit", type=int, default=None, help="regenerate at most this many conversations after --skip"
@@ -591,7 +625,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--dry-run", action="store_true", help="print the plan and command lines as JSON; run nothing"
     )
     a = p.parse_args(argv)
-    a.input = a.input or [f"sharegpt:{gpu_dir('stage') / 'sharegpt_compact.json.gz'}"]
+    if a.input is None:
+        a.input = [] if a.self_prompts else [f"sharegpt:{gpu_dir('stage') / 'sharegpt_compact.json.gz'}"]
     for spec in a.input:
         check_training_input(spec)
     return a
@@ -604,6 +639,8 @@ def commands(a: argparse.Namespace, budget: Budget) -> dict[str, Any]:
     out: dict[str, Any] = {"plan": asdict(stint_plan(a)), "budget": asdict(budget)}
     phases = a.phases.split(",")
     if "regen" in phases and not a.data:
+        if a.self_prompts:
+            out["self-prompts"] = self_prompts_args(a, stint_plan(a), work / SELF_PROMPTS)
         out["regen"] = regen_args(a, stint_plan(a), work / "new", budget.regen)
     if "merge" in phases and not a.data and a.prev_data:
         prev = [prev_dataset(p, work) for p in a.prev_data]

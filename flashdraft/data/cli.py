@@ -4,12 +4,52 @@ flashdraft data regenerate --input sharegpt --limit 4 --max-length 512 --max-new
 flashdraft data inspect /tmp/regen-demo
 flashdraft data merge --out data/all data/turn1 data/turns2
 flashdraft data pack data/all --out all.fdpack && flashdraft data unpack all.fdpack --out data/all-again
+flashdraft data self-prompts --n 2000 --out self.jsonl.gz   # then: regenerate --input prompts:self.jsonl.gz
 flashdraft data sources
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import typer
+
+
+def _local_generator(
+    target: str, dtype: str, device: str, engine: str, attention: str, batch_size: int, max_batch_tokens: int | None,
+    loop_groups: int, thinking: bool | None, max_new_tokens: int, temperature: float, top_p: float,
+) -> tuple[Any, Any, str, str]:  # fmt: skip
+    """(the target's chat template, a LocalGenerator on it, the engine and the attention it resolved to)."""
+    from flashdraft.data.generate import GenerationParams, LocalGenerator
+    from flashdraft.data.template import ChatTemplate, stop_token_ids
+    from flashdraft.target import load_target
+
+    t = load_target(target, dtype=dtype, device=device)
+    if t.tokenizer is None:
+        raise typer.BadParameter(f"target {target!r} has no tokenizer: cannot render chat templates")
+    tpl = ChatTemplate(
+        t.tokenizer,
+        enable_thinking=thinking,
+        stop_ids=stop_token_ids(t.tokenizer, getattr(t.model, "generation_config", None)),
+    )
+    params = GenerationParams(max_new_tokens, temperature, top_p, tpl.stop_ids)
+    if engine == "auto":
+        from flashdraft.data.native import native_support_error
+
+        engine = "native" if t.device.type == "cuda" and not native_support_error(t) else "loop"
+    groups = loop_groups or (5 if t.device.type == "cpu" else 1)
+    if engine == "native":  # resolved here so the manifest says which ran
+        from flashdraft.data.native import decode_attention
+
+        try:
+            attention = decode_attention(t, attention)
+        except ValueError as e:
+            raise typer.BadParameter(f"--{e}") from None
+    gen = LocalGenerator(
+        t, params, engine=engine, batch_size=batch_size, max_batch_tokens=max_batch_tokens, groups=groups,
+        attention=attention,
+    )  # fmt: skip
+    return tpl, gen, engine, attention
 
 
 def register(app: typer.Typer) -> None:
@@ -99,10 +139,10 @@ def register(app: typer.Typer) -> None:
         """Answer every user turn with the target; write a dataset (resumable: rerun the same command)."""
         import logging
 
-        from flashdraft.data.generate import GenerationParams, LocalGenerator, ServerGenerator
+        from flashdraft.data.generate import GenerationParams, ServerGenerator
         from flashdraft.data.regenerate import RegenConfig, load_tokenizer
         from flashdraft.data.regenerate import regenerate as run
-        from flashdraft.data.template import ChatTemplate, stop_token_ids
+        from flashdraft.data.template import ChatTemplate
 
         logging.basicConfig(level=logging.WARNING, format="%(message)s")
         cfg = RegenConfig(
@@ -121,38 +161,10 @@ def register(app: typer.Typer) -> None:
                 server, params, model=server_model, concurrency=concurrency, retries=retries
             )
         else:
-            from flashdraft.target import load_target
-
-            t = load_target(target, dtype=dtype, device=device)
-            if t.tokenizer is None:
-                raise typer.BadParameter(f"target {target!r} has no tokenizer: cannot render chat templates")
-            tpl = ChatTemplate(
-                t.tokenizer,
-                enable_thinking=thinking,
-                stop_ids=stop_token_ids(t.tokenizer, getattr(t.model, "generation_config", None)),
-            )
-            params = GenerationParams(max_new_tokens, temperature, top_p, tpl.stop_ids)
-            if engine == "auto":
-                from flashdraft.data.native import native_support_error
-
-                engine = "native" if t.device.type == "cuda" and not native_support_error(t) else "loop"
-            groups = loop_groups or (5 if t.device.type == "cpu" else 1)
-            if engine == "native":  # resolved here so the manifest says which ran
-                from flashdraft.data.native import decode_attention
-
-                try:
-                    attention = decode_attention(t, attention)
-                except ValueError as e:
-                    raise typer.BadParameter(f"--{e}") from None
-            gen = LocalGenerator(
-                t,
-                params,
-                engine=engine,
-                batch_size=batch_size,
-                max_batch_tokens=max_batch_tokens,
-                groups=groups,
-                attention=attention,
-            )
+            tpl, gen, engine, attention = _local_generator(
+                target, dtype, device, engine, attention, batch_size, max_batch_tokens, loop_groups, thinking,
+                max_new_tokens, temperature, top_p,
+            )  # fmt: skip
         import sys
 
         extra = {
@@ -223,6 +235,56 @@ def register(app: typer.Typer) -> None:
 
         d = unpack_dataset(path, out, overwrite=overwrite)
         typer.echo(f"wrote {d}: {describe(open_dataset(d).manifest)}")
+
+    @data.command("self-prompts")
+    def self_prompts(
+        out: str = typer.Option(..., "--out", help="prompts file to write (.jsonl or .jsonl.gz)"),
+        n: int = typer.Option(2000, "--n", min=1, help="distinct prompts to keep"),
+        target: str = typer.Option("default", help="HF folder, hub-style id, .gguf path, or 'default'"),
+        opening: list[str] = typer.Option(
+            [], "--opening", help="text every message of a share of the rows starts with (repeatable; '' for none)"
+        ),
+        temperature: float = typer.Option(1.0, help="sampling temperature of the messages"),
+        top_p: float = typer.Option(1.0),
+        max_new_tokens: int = typer.Option(160, help="a message that has not ended its turn by then is dropped"),
+        min_words: int = typer.Option(4, help="shorter messages are dropped"),
+        seed: int = typer.Option(0),
+        batch_size: int = typer.Option(64, help="rows per generation batch (raise on a GPU: 512+)"),
+        max_batch_tokens: int | None = typer.Option(None, help="cap rows × (prompt + max_new_tokens) per batch"),
+        device: str = typer.Option("cpu"),
+        dtype: str = typer.Option("float32"),
+        engine: str = typer.Option("auto", help="native | loop | auto (native on CUDA where the family allows)"),
+        attention: str = typer.Option("auto", help="native engine's decode-step attention: varlen | sdpa | auto"),
+        overwrite: bool = typer.Option(False, help="replace an existing --out"),
+    ) -> None:
+        """User messages the target writes itself (its chat template up to a user's turn, sampled): a prompts file
+        for `regenerate --input prompts:FILE` when the prompt sets run out."""
+        from pathlib import Path
+
+        from flashdraft.data.self_prompts import self_prompts as write_messages
+        from flashdraft.data.self_prompts import write_prompts
+        from flashdraft.data.template import TemplateError
+
+        path = Path(out)
+        if path.exists() and not overwrite:
+            raise typer.BadParameter(f"{path} exists: pass --overwrite to replace it", param_hint="--out")
+        if temperature <= 0:
+            raise typer.BadParameter("greedy decoding writes one message: use a temperature > 0", param_hint="--temperature")
+        tpl, gen, _, _ = _local_generator(
+            target, dtype, device, engine, attention, batch_size, max_batch_tokens, 0, None, max_new_tokens,
+            temperature, top_p,
+        )  # fmt: skip
+        try:
+            prompts, stats = write_messages(
+                tpl, gen, n, seed=seed, openings=list(opening) or None, min_words=min_words,
+                on_round=lambda r, k: typer.echo(f"round {r + 1}: {k:,} of {n:,} kept", err=True),
+            )  # fmt: skip
+        except TemplateError as e:
+            raise typer.BadParameter(str(e), param_hint="--target") from None
+        if not prompts:
+            raise typer.BadParameter(f"no message was kept ({stats.line()}): nothing written", param_hint="--n")
+        write_prompts(path, prompts, overwrite=overwrite)
+        typer.echo(f"wrote {path}: {stats.line()}")
 
     @data.command()
     def inspect(

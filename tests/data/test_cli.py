@@ -90,3 +90,25 @@ def test_regenerate_continue_from(tmp_path):
     r = runner.invoke(app, [*more[:-1], str(tmp_path / "nowhere"), "--overwrite"])
     assert r.exit_code == 2 and r.stderr.splitlines()[-1].startswith("error: --continue-from ")
     assert str(tmp_path / "nowhere") in r.stderr
+
+
+def test_self_prompts_then_regenerate_reads_them(tmp_path):
+    folder = tmp_path / "tiny"
+    tiny_target("llama", vocab=320).model.save_pretrained(folder)
+    make_tokenizer("chatml").save_pretrained(folder)
+    out = tmp_path / "self.jsonl.gz"
+    runner = CliRunner()
+    args = ["data", "self-prompts", "--target", str(folder), "--out", str(out), "--n", "6", "--min-words", "1",
+            "--max-new-tokens", "48", "--seed", "1"]  # fmt: skip
+    res = runner.invoke(app, args)
+    assert res.exit_code == 0, res.output
+    assert f"wrote {out}: " in res.stdout and "prompts kept of" in res.stdout and "round 1:" in res.stderr
+    res = runner.invoke(app, args)  # an existing file: refused, untouched
+    assert res.exit_code == 2 and "exists: pass --overwrite" in res.output
+    res = runner.invoke(app, [*args, "--overwrite", "--temperature", "0"])
+    assert res.exit_code == 2 and "use a temperature > 0" in res.output
+    ds = tmp_path / "ds"
+    res = runner.invoke(app, ["data", "regenerate", "--target", str(folder), "--input", f"prompts:{out}", "--out",
+                              str(ds), "--max-new-tokens", "8", "--block-size", "2", "--contamination", "none"])  # fmt: skip
+    assert res.exit_code == 0, res.output
+    assert json.loads((ds / "manifest.json").read_text())["counts"]["train"] > 0
