@@ -87,14 +87,18 @@ def test_the_file_is_a_prompts_source_and_is_never_overwritten_unasked(tmp_path:
     assert out.read_bytes() == first and [p.name for p in tmp_path.iterdir()] == ["self.jsonl.gz"]
 
 
-def test_a_real_generator_writes_distinct_finished_messages() -> None:
+@pytest.mark.parametrize("engine", ["loop", "native"])
+def test_a_real_generator_writes_distinct_finished_messages(engine: str) -> None:
     """The tiny random target, sampled: whatever it keeps obeys the rules, the same seed gives the same prompts,
     and the rows of one batch differ (one generator for the batch, not one seed per identical row)."""
     tok = make_tokenizer("chatml", vocab_size=320)
     tpl = ChatTemplate(tok)
     target = tiny_target("llama", vocab=320, dtype=torch.float32)
     params = GenerationParams(max_new_tokens=48, temperature=1.0, stop_ids=tpl.stop_ids)
-    runs = [self_prompts(tpl, LocalGenerator(target, params, batch_size=64), 40, seed=5, min_words=1) for _ in "ab"]
+    runs = [
+        self_prompts(tpl, LocalGenerator(target, params, engine=engine, batch_size=64), 40, seed=5, min_words=1)
+        for _ in "ab"
+    ]
     (got, stats), (again, _) = runs
     assert got == again and stats.asked >= 50 and stats.kept == len(got) > 0
     assert len({p["prompt"] for p in got}) == len(got)
