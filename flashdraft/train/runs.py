@@ -214,8 +214,9 @@ def _val_line(v: dict[str, Any] | None) -> list[str]:
     if v is None:
         return []
     topk = f", top-k streak {_num(v.get('val/topk_streak'), '.2f')}" if "val/topk_streak" in v else ""
+    se = f" ± {_num(v.get('val/chain_tau_se'), '.2f')} SE" if "val/chain_tau_se" in v else ""
     return [
-        f"- validation at step {v.get('step', '-')}: chain τ {_num(v.get('val/chain_tau'), '.2f')}, DDTree τ "
+        f"- validation at step {v.get('step', '-')}: chain τ {_num(v.get('val/chain_tau'), '.2f')}{se}, DDTree τ "
         f"{_num(v.get('val/ddtree_tau'), '.2f')} (budget {_num(v.get('val/ddtree_budget'), '.0f')}){topk}"
     ]
 

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
+import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -50,6 +52,9 @@ class ValidationResult:
     topk_streak: float | None  # None when eval.topk = 0
     slot1_acc: float  # chain rounds' slot-1 accuracy (every 4th round, as the eval counts it)
     seconds: float
+    # the chain τ's standard error over the prompts (sample sd / √n; None under two prompts): how far apart two
+    # validations must be to mean anything — unpaired, across runs, more apart still
+    chain_tau_se: float | None = None
 
     def values(self) -> dict[str, float]:
         """The metrics line's val/* keys."""
@@ -60,6 +65,8 @@ class ValidationResult:
         }  # fmt: skip
         if self.topk_streak is not None:
             out["val/topk_streak"] = self.topk_streak
+        if self.chain_tau_se is not None:
+            out["val/chain_tau_se"] = self.chain_tau_se
         return out
 
 
@@ -235,9 +242,11 @@ class Validation:
         trees = {m.size: report.methods[m.name].tau for m in self.methods if m.kind == "ddtree"}
         best = max(trees, key=lambda b: (trees[b], -b))  # the smallest budget among equals
         topk = [report.methods[m.name].tau for m in self.methods if m.kind == "topk"]
+        chains = [float(s["tau"]["chain"]) for s in report.per_sample if "chain" in s["tau"]]
+        se = statistics.stdev(chains) / math.sqrt(len(chains)) if len(chains) >= 2 else None
         self.last = ValidationResult(
             report.methods["chain"].tau, trees[best], best, topk[0] if topk else None,
-            report.slot_accuracy[0], time.perf_counter() - t0,
+            report.slot_accuracy[0], time.perf_counter() - t0, se,
         )  # fmt: skip
         return self.last
 

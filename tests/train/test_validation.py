@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import statistics
 from dataclasses import asdict
 from pathlib import Path
 
@@ -182,9 +183,11 @@ def test_trainer_logs_validation_tau_equal_to_eval_of_its_checkpoint(tmp_path: P
     assert last["val/chain_tau"] == rep.methods["chain"].tau
     assert last["val/ddtree_tau"] == max(rep.methods["ddtree-4"].tau, rep.methods["ddtree-16"].tau)
     assert last["val/topk_streak"] == rep.methods["topk-4"].tau
+    chains = [s["tau"]["chain"] for s in rep.per_sample]
+    assert last["val/chain_tau_se"] == pytest.approx(statistics.stdev(chains) / len(chains) ** 0.5)
     # `runs status` shows it
     md = status_markdown(summarize(run))
-    assert f"validation at step 5: chain τ {last['val/chain_tau']:.2f}" in md
+    assert f"validation at step 5: chain τ {last['val/chain_tau']:.2f} ± {last['val/chain_tau_se']:.2f} SE" in md
 
 
 def test_a_run_stopped_by_its_time_limit_validates_its_last_weights(tmp_path: Path) -> None:
