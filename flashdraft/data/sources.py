@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from flashdraft.errors import UserError
-from flashdraft.files import atomic_write_text
+from flashdraft.files import atomic_write_bytes, atomic_write_text
 
 log = logging.getLogger("flashdraft.data")
 
@@ -435,6 +435,15 @@ def read_prompts(path: Path | None) -> Iterator[Item]:
         else:
             cid = str(obj["id"]) if obj.get("id") is not None else f"{path.name}:{line}"
             yield Conversation(cid, [Turn("user", text)], source="prompts", group=group)
+
+
+def write_prompts(out: Path, records: list[dict[str, str]], overwrite: bool = False) -> None:
+    """A `prompts:` JSONL file of `records` ({id, prompt, group?}), gzipped with mtime 0 when `out` ends in .gz (the
+    same records give the same bytes), written whole or not at all; refuses an existing file unless `overwrite`."""
+    if out.exists() and not overwrite:
+        raise FileExistsError(f"{out} exists: pass --overwrite to replace it")
+    data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode()
+    atomic_write_bytes(out, gzip.compress(data, mtime=0) if out.suffix == ".gz" else data)
 
 
 CODEIO_TEMPLATE = "Write a Python function that solves this task.\n\n{task}\n\n{spec}"

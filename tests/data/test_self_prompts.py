@@ -11,8 +11,8 @@ import torch
 
 from flashdraft.data.generate import GenerationParams, LocalGenerator
 from flashdraft.data.loop import Generation
-from flashdraft.data.self_prompts import self_prompts, user_prefix, write_prompts
-from flashdraft.data.sources import load_conversations
+from flashdraft.data.self_prompts import self_prompts, user_prefix
+from flashdraft.data.sources import load_conversations, write_prompts
 from flashdraft.data.template import ChatTemplate
 from tests.conftest import tiny_target
 from tests.data.tokenizers import make_tokenizer
