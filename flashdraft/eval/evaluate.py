@@ -65,16 +65,24 @@ class PairedComparison:
     methods: dict[str, PairedMethod]
 
 
+def standard_error(xs: list[float]) -> float | None:
+    """Sample sd / √n of per-prompt values; None under two."""
+    n = len(xs)
+    if n < 2:
+        return None
+    mean = sum(xs) / n
+    return math.sqrt(sum((x - mean) ** 2 for x in xs) / (n - 1) / n)
+
+
 def paired_method(deltas: list[float]) -> PairedMethod:
     """Mean, standard error and two-SE verdict of per-prompt differences. A zero mean is "neither" even
     when every difference is 0 (SE 0): the same drafter twice is not better than itself."""
     n = len(deltas)
     if n == 0:
         return PairedMethod(None, None, 0, None)
-    mean = sum(deltas) / n
-    if n < 2:
+    mean, se = sum(deltas) / n, standard_error(deltas)
+    if se is None:
         return PairedMethod(mean, None, n, None)
-    se = math.sqrt(sum((x - mean) ** 2 for x in deltas) / (n - 1) / n)
     if mean > 0 and mean >= 2 * se:
         return PairedMethod(mean, se, n, "better")
     if mean < 0 and mean <= -2 * se:

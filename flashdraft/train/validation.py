@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
-import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -34,7 +32,7 @@ from typing import Any
 import torch
 
 from flashdraft.config import ConfigError
-from flashdraft.eval.evaluate import ReferenceStats, _checked_item, summarize
+from flashdraft.eval.evaluate import ReferenceStats, _checked_item, standard_error, summarize
 from flashdraft.eval.offline import ReplayItem, TeacherForced, replay_batch
 from flashdraft.eval.references import Reference, read_frozen, write_frozen
 from flashdraft.eval.replay import Method, methods_for
@@ -243,10 +241,9 @@ class Validation:
         best = max(trees, key=lambda b: (trees[b], -b))  # the smallest budget among equals
         topk = [report.methods[m.name].tau for m in self.methods if m.kind == "topk"]
         chains = [float(s["tau"]["chain"]) for s in report.per_sample if "chain" in s["tau"]]
-        se = statistics.stdev(chains) / math.sqrt(len(chains)) if len(chains) >= 2 else None
         self.last = ValidationResult(
             report.methods["chain"].tau, trees[best], best, topk[0] if topk else None,
-            report.slot_accuracy[0], time.perf_counter() - t0, se,
+            report.slot_accuracy[0], time.perf_counter() - t0, standard_error(chains),
         )  # fmt: skip
         return self.last
 
