@@ -149,12 +149,19 @@ class Budget:
         return cls(regen, eval_, round(train, 2))
 
 
+def generation_args(a: argparse.Namespace) -> list[str]:
+    """How the stint's target generates (regeneration and self-prompts alike): the native engine on the GPU, bf16."""
+    return [
+        "--target", a.target, "--device", "cuda", "--dtype", "bfloat16", "--engine", "native", "--batch-size", "512",
+        "--max-batch-tokens", str(a.max_batch_tokens), "--attention", a.attention,
+    ]  # fmt: skip
+
+
 def self_prompts_args(a: argparse.Namespace, plan: StintPlan, out: Path) -> list[str]:
     """`flashdraft data self-prompts`: --self-prompts messages the target writes, seeded by the stint."""
     args = [
-        "data", "self-prompts", "--target", a.target, "--out", str(out), "--n", str(a.self_prompts), "--seed",
-        str(plan.seed), "--device", "cuda", "--dtype", "bfloat16", "--engine", "native", "--batch-size", "512",
-        "--max-batch-tokens", str(a.max_batch_tokens), "--attention", a.attention, "--overwrite",
+        "data", "self-prompts", *generation_args(a), "--out", str(out), "--n", str(a.self_prompts), "--seed",
+        str(plan.seed), "--overwrite",
     ]  # fmt: skip
     for opening in a.self_opening:
         args += ["--opening", opening]
@@ -166,12 +173,10 @@ def regen_args(a: argparse.Namespace, plan: StintPlan, out: Path, minutes: float
     # shards and the turns the others had answered (sampled runs go shard by shard, starting none that would end
     # after the limit: a 4,096-conversation shard of three turns took 3 minutes on an H100, 2026-12-06)
     args = [
-        "data", "regenerate", "--target", a.target, "--out", str(out), "--device", "cuda", "--dtype", "bfloat16",
-        "--engine", "native", "--batch-size", "512", "--max-batch-tokens", str(a.max_batch_tokens),
-        "--max-new-tokens", str(a.max_new_tokens), "--shard-size", "256", "--max-turns", str(plan.max_turns),
-        "--skip", str(plan.skip),
+        "data", "regenerate", *generation_args(a), "--out", str(out), "--max-new-tokens", str(a.max_new_tokens),
+        "--shard-size", "256", "--max-turns", str(plan.max_turns), "--skip", str(plan.skip),
         "--temperature", str(plan.temperature), "--seed", str(plan.seed), "--time-limit", str(minutes),
-        "--contamination", f"humaneval:{a.humaneval}", "--attention", a.attention,
+        "--contamination", f"humaneval:{a.humaneval}",
     ]  # fmt: skip
     for spec in a.input:
         args += ["--input", check_training_input(spec)]
