@@ -33,8 +33,10 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
+from engine_spans import engine_args, open_engine_inputs  # noqa: E402
 
 from flashdraft.decode.engine import FastEngine  # noqa: E402
 from flashdraft.decode.native import NativeDrafter, NativeTarget  # noqa: E402
@@ -304,30 +306,15 @@ def report(result: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--target", default="default")
-    ap.add_argument("--drafter", default="models/smollm2-135m-instruct-dflash-b16")
-    ap.add_argument("--dataset", default="humaneval")
-    ap.add_argument("--prompts", type=int, default=4)
-    ap.add_argument("--max-new-tokens", type=int, default=128)
+    engine_args(ap, prompts=4, max_new_tokens=128, dtype="bfloat16")
     ap.add_argument("--max-len", type=int, default=2048, help="the engines' max_len (as flashdraft bench)")
-    ap.add_argument("--max-budget", type=int, default=512, help="the engines' largest DDTree budget")
     ap.add_argument("--q", type=int, default=16, help="rows per teacher-forced target forward")
     ap.add_argument("--stride", type=int, default=8, help="a target chunk starts every this many rows")
     ap.add_argument("--draft-stride", type=int, default=4, help="a drafting step every this many rows")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--threads", type=int, default=0, help="torch threads on a CPU (0: torch's default)")
-    ap.add_argument("--out", type=Path, default=None, help="also write the results as JSON here")
-    ap.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     a = ap.parse_args(argv)
-    if a.out is not None and a.out.exists() and not a.overwrite:
-        raise SystemExit(f"--out {a.out} exists: pass --overwrite to replace it")
-    if a.threads:
-        torch.set_num_threads(a.threads)
     from flashdraft.eval.references import target_stop_ids
 
-    target = load_target(a.target, dtype=a.dtype, device=a.device)
-    drafter = DFlashDrafter.from_pretrained(a.drafter, dtype=target.dtype, device=a.device).eval()
+    target, drafter = open_engine_inputs(a)
     target32 = drafter32 = None
     if target.dtype != torch.float32:
         target32 = load_target(a.target, dtype="float32", device=a.device)

@@ -27,9 +27,35 @@ from flashdraft.decode.engine import FastEngine  # noqa: E402
 from flashdraft.drafter import DFlashDrafter  # noqa: E402
 from flashdraft.eval.prompts import load_eval_prompts  # noqa: E402
 from flashdraft.files import atomic_write_text  # noqa: E402
-from flashdraft.target import load_target  # noqa: E402
+from flashdraft.target import TargetModel, load_target  # noqa: E402
 
 METHODS = [("ar", None), ("chain", None), ("ddtree", 16)]
+
+
+def engine_args(ap: argparse.ArgumentParser, *, prompts: int, max_new_tokens: int, dtype: str) -> None:
+    """The flags of a benchmark of the fast engine on eval prompts (this script and compile_tau.py)."""
+    ap.add_argument("--target", default="default")
+    ap.add_argument("--drafter", default="models/smollm2-135m-instruct-dflash-b16")
+    ap.add_argument("--dataset", default="humaneval")
+    ap.add_argument("--prompts", type=int, default=prompts)
+    ap.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
+    ap.add_argument("--max-budget", type=int, default=512, help="the engines' largest DDTree budget")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default=dtype)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads on a CPU (0: torch's default)")
+    ap.add_argument("--out", type=Path, default=None, help="also write the results as JSON here")
+    ap.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+
+
+def open_engine_inputs(a: argparse.Namespace) -> tuple[TargetModel, DFlashDrafter]:
+    """engine_args' target and drafter (in the target's dtype), after refusing an existing --out and setting
+    --threads."""
+    if a.out is not None and a.out.exists() and not a.overwrite:
+        raise SystemExit(f"--out {a.out} exists: pass --overwrite to replace it")
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    target = load_target(a.target, dtype=a.dtype, device=a.device)
+    return target, DFlashDrafter.from_pretrained(a.drafter, dtype=target.dtype, device=a.device).eval()
 
 
 def measure(engine: FastEngine, prompts: list[Any], method: str, budget: int | None, n_new: int) -> dict:
@@ -53,25 +79,10 @@ def measure(engine: FastEngine, prompts: list[Any], method: str, budget: int | N
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--target", default="default")
-    ap.add_argument("--drafter", default="models/smollm2-135m-instruct-dflash-b16")
-    ap.add_argument("--dataset", default="humaneval")
-    ap.add_argument("--prompts", type=int, default=2)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
+    engine_args(ap, prompts=2, max_new_tokens=64, dtype="float32")
     ap.add_argument("--max-lens", default="400,2048", help="engine max_len values (the short one first)")
-    ap.add_argument("--max-budget", type=int, default=512, help="the engine's largest DDTree budget")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--threads", type=int, default=0, help="torch threads on a CPU (0: torch's default)")
-    ap.add_argument("--out", type=Path, default=None, help="also write the rows as JSON here")
-    ap.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     a = ap.parse_args(argv)
-    if a.out is not None and a.out.exists() and not a.overwrite:
-        raise SystemExit(f"--out {a.out} exists: pass --overwrite to replace it")
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    target = load_target(a.target, dtype=a.dtype, device=a.device)
-    drafter = DFlashDrafter.from_pretrained(a.drafter, dtype=target.dtype, device=a.device).eval()
+    target, drafter = open_engine_inputs(a)
     prompts = load_eval_prompts(a.dataset, target, a.prompts)
     rows, reference = [], {}
     print(f"{a.prompts} {a.dataset} prompts x {a.max_new_tokens} tokens, {a.device} {a.dtype}")
