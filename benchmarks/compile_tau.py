@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from engine_spans import engine_args, open_engine_inputs  # noqa: E402
 
-from flashdraft.decode.engine import FastEngine  # noqa: E402
+from flashdraft.decode.engine import FastEngine, graph_spans  # noqa: E402
 from flashdraft.decode.native import NativeDrafter, NativeTarget  # noqa: E402
 from flashdraft.drafter import DFlashDrafter  # noqa: E402
 from flashdraft.eval.prompts import load_eval_prompts  # noqa: E402
@@ -59,11 +59,8 @@ def first_diff(a: Sequence[int], b: Sequence[int]) -> int | None:
 
 
 def _span(need: int, capacity: int) -> int:
-    """The engine's spans under CUDA graphs: 256, 512, ... up to the whole cache."""
-    s = 256
-    while s < need and s < capacity:
-        s *= 2
-    return min(s, capacity)
+    """The smallest of the engine's spans under CUDA graphs that holds `need` rows."""
+    return next((s for s in graph_spans(capacity) if s >= need), capacity)
 
 
 def end_to_end(target: TargetModel, drafter: DFlashDrafter, prompts: list[list[int]], n_new: int, *,

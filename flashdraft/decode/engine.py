@@ -105,6 +105,15 @@ class _Phase:
             self.fn()
 
 
+def graph_spans(capacity: int) -> list[int]:
+    """The attention spans of an engine under CUDA graphs: 256, 512, 1024, ... and the whole cache."""
+    out, s = [], 256
+    while s < capacity:
+        out.append(s)
+        s *= 2
+    return [*out, capacity]
+
+
 class FastEngine:
     """Single-stream AR / chain / DDTree decoding over static caches, with CUDA graphs on CUDA."""
 
@@ -261,11 +270,7 @@ class FastEngine:
         all captured on a phase's first use, at an empty state): 256, 512, 1024, ... and the whole cache. Eager (no
         graphs): every multiple of 64. A compiled forward takes the span as a symbolic size: one compilation."""
         if self.cuda_graphs:
-            out, s = [], 256
-            while s < self.capacity:
-                out.append(s)
-                s *= 2
-            return [*out, self.capacity]
+            return graph_spans(self.capacity)
         return list(range(64, self.capacity, 64)) + [self.capacity]
 
     def _span(self, need: int | None) -> int:
