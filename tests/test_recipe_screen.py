@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from flashdraft.config import load_config
+from flashdraft.eval.cli import drafter_names
 from flashdraft.train.config import TrainConfig
 from tests.test_quickstart import _parse
 
@@ -140,13 +141,15 @@ def test_the_eval_scores_the_start_first_and_the_table_pairs_against_the_first_v
     reuse.mkdir(parents=True)
     (reuse / "report.json").write_text("{}")
     calls: list[list[str]] = []
-    taus = {"start": [3.0, 3.0, 3.0, 3.0], "base": [3.1, 3.4, 3.2, 3.3], "g4": [3.2, 3.6, 3.2, 3.6]}
+    taus = {"start": [3.0, 3.0, 3.0, 3.0], "base/drafter-bf16": [3.1, 3.4, 3.2, 3.3],
+            "g4/drafter-bf16": [3.2, 3.6, 3.2, 3.6]}  # fmt: skip
 
     def fake_run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
         calls.append(cmd)
         out = Path(cmd[cmd.index("--out") + 1])
         out.mkdir(parents=True)
-        names = [Path(cmd[i + 1]).name for i, x in enumerate(cmd) if x == "--drafter"]
+        names = drafter_names([(Path(cmd[i + 1]), None) for i, x in enumerate(cmd) if x == "--drafter"])
+        assert names[1:] == ["base/drafter-bf16", "g4/drafter-bf16"]  # as the eval names them
         names[0] = "start"
         (out / "report.json").write_text(json.dumps(_report(names, taus)))
         return subprocess.CompletedProcess(cmd, 0)
@@ -159,8 +162,8 @@ def test_the_eval_scores_the_start_first_and_the_table_pairs_against_the_first_v
     assert len(calls) == 2  # HumanEval-164 and ShareGPT-100
     he, sg = calls
     drafters = [he[i + 1] for i, x in enumerate(he) if x == "--drafter"]
-    assert drafters == ["models/start", str(wk / "screen/drafters/base"), str(wk / "screen/drafters/g4")]
-    assert (wk / "screen/drafters/g4").resolve() == wk / "screen/g4/drafter-bf16"
+    screen = wk / "screen"
+    assert drafters == ["models/start", str(screen / "base/drafter-bf16"), str(screen / "g4/drafter-bf16")]
     assert he[he.index("--reuse") + 1] == str(reuse / "report.json")
     assert "--reuse" not in sg  # no earlier ShareGPT report in that folder
     table = (tmp_path / "out/screen.md").read_text().splitlines()

@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from campaign_stint import REPO, SHIP_MIN, gpu_dir  # noqa: E402
 
+from flashdraft.eval.cli import drafter_names  # noqa: E402
 from flashdraft.eval.evaluate import paired_comparison  # noqa: E402
 
 # a variant's minutes besides its training: target load, compile, the last checkpoint, shipping
@@ -159,12 +160,8 @@ class Screen:
             gguf = gpu_dir("stage") / "SmolLM2-135M-Instruct.Q4_1.gguf"
             subprocess.run([sys.executable, str(REPO / "benchmarks/gpu/save_target.py"), str(gguf), str(target),
                             "float32"], cwd=REPO, check=True, capture_output=True)  # fmt: skip
-        links = self.root / "drafters"  # the report names each drafter by its folder: the variant's name
-        links.mkdir(parents=True, exist_ok=True)
-        for n in names:
-            if not (links / n).exists():
-                (links / n).symlink_to(self.work(n) / "drafter-bf16")
-        drafters = ["--drafter", self.a.init_from, *(x for n in names for x in ("--drafter", str(links / n)))]
+        folders = [self.work(n) / "drafter-bf16" for n in names]
+        drafters = ["--drafter", self.a.init_from, *(x for f in folders for x in ("--drafter", str(f)))]
         for ref in map(Path, self.a.yardstick):
             earlier = Path(self.a.reuse or "") / ref.stem / "report.json"
             reuse = ["--reuse", str(earlier)] if self.a.reuse and earlier.is_file() else []
@@ -172,7 +169,7 @@ class Screen:
                             "--references", str(ref), *reuse, "--device", "cuda", "--dtype", "float32",
                             "--no-progress", "--out", str(self.root / "eval" / ref.stem)], cwd=REPO, check=True)  # fmt: skip
         self.out.mkdir(parents=True, exist_ok=True)
-        table = screen_table(self.root, list(self.a.variants))
+        table = screen_table(self.root, list(self.a.variants), self.report_names(names))
         (self.out / "screen.md").write_text(table)
         print(table, flush=True)
         with tarfile.open(self.out / "screen.tar", "w") as tf:
@@ -181,6 +178,12 @@ class Screen:
                 for f in ("out/stint.json", "out/stint.log"):
                     if (self.work(n) / f).is_file():
                         tf.add(self.work(n) / f, arcname=f"{n}/{Path(f).name}")
+
+    def report_names(self, names: list[str]) -> dict[str, str]:
+        """The name the eval's report gives each variant's drafter: the shortest tail of its folder that the
+        other drafters of the call do not share (`base/drafter-bf16` beside `grow3/drafter-bf16`)."""
+        found = [(Path(self.a.init_from), None), *((self.work(n) / "drafter-bf16", None) for n in names)]
+        return dict(zip(names, drafter_names(found)[1:], strict=True))
 
     def ship(self, name: str) -> None:
         src = self.work(name) / "out"
@@ -192,9 +195,10 @@ class Screen:
         print(f"screen: {name}'s campaign_stint output copied into {self.out}", flush=True)
 
 
-def screen_table(root: Path, names: list[str]) -> str:
+def screen_table(root: Path, names: list[str], in_report: dict[str, str]) -> str:
     """One row per variant: steps, the trainer's last validation chain τ, and per report the chain and DDTree-512 τ
-    with the chain's paired Δ (± its standard error) against the first variant and against the report's baseline."""
+    with the chain's paired Δ (± its standard error) against the first variant and against the report's baseline.
+    `in_report`: each evaluated variant's drafter name in the reports."""
     reports = {
         p.parent.name: json.loads(p.read_text()) for p in sorted((root / "eval").glob("*/report.json"))
     }
@@ -208,7 +212,7 @@ def screen_table(root: Path, names: list[str]) -> str:
         val = (st.get("val") or {}).get("val/chain_tau")
         row = [n, str(st.get("train_steps") or "failed"), f"{val:.3f}" if val is not None else "—"]
         for r in reports.values():
-            d, first = r["drafters"].get(n), r["drafters"].get(names[0])
+            d, first = (r["drafters"].get(in_report.get(x, "")) for x in (n, names[0]))
             if d is None:
                 row += ["—"] * 4
                 continue
