@@ -318,6 +318,32 @@ def test_a_later_call_trains_from_the_last_call_s_weights_and_references(tmp_pat
     assert st.state["train_runs"] == ["train-1", "train-2"]
 
 
+def test_a_stint_trains_its_part_of_one_long_schedule_and_records_where_it_ended(tmp_path: Path) -> None:
+    argv = ["--stint", "5", "--work", str(tmp_path), "--out", str(tmp_path / "out"), "--schedule-steps", "9000",
+            "--schedule-start", "3000"]  # fmt: skip
+    st = cs.Stint(cs.parse_args(argv))
+    (tmp_path / "train-1" / "checkpoints" / "step-00000400" / "drafter").mkdir(parents=True)
+    (tmp_path / "train-1" / "metrics.jsonl").write_text("".join(json.dumps({"step": k}) + "\n" for k in (200, 400)))
+    st.state["train_runs"] = ["train-1"]  # an earlier call of this stint took 400 of its steps
+    ran: list[list[str]] = []
+    st.run = lambda phase, args, timeout_min: ran.append(args) or 0  # type: ignore[method-assign]
+    st.train(6.0)
+    cfg = load_config(TrainConfig, _parse(ran[0])["config"], _parse(ran[0])["overrides"])
+    cfg.validate()
+    assert (cfg.optim.schedule_steps, cfg.optim.schedule_start) == (9000, 3400)
+    (tmp_path / "train-2").mkdir()
+    (tmp_path / "train-2" / "metrics.jsonl").write_text(json.dumps({"step": 2600}) + "\n")
+    assert st.summary()["schedule"] == {"steps": 9000, "start": 3000, "end": 6000}
+    (tmp_path / "out").mkdir(exist_ok=True)
+    done = cs.Stint(cs.parse_args([*argv[:-1], "8600"]))
+    done.state["train_runs"] = ["train-1"]
+    done.run = lambda phase, args, timeout_min: ran.append(args) or 0  # type: ignore[method-assign]
+    done.train(6.0)  # 8,600 + 400 = the schedule's end: nothing left to train
+    assert len(ran) == 1 and done.state["train_runs"] == ["train-1"]
+    with pytest.raises(SystemExit):
+        cs.parse_args([*argv[:-1], "9000"])
+
+
 def test_defaults_follow_env_sh_folders(monkeypatch: pytest.MonkeyPatch) -> None:
     a = cs.parse_args(["--stint", "2"])
     assert a.target == "/wk/smollm2-bf16" and a.humaneval == HE

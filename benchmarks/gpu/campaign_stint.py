@@ -11,8 +11,10 @@ A device call runs at most 10 minutes, so a 30-minute stint is three calls on th
 folder, $WORK/stint-K, survives between back-to-back calls): the first regenerates for --regen-min minutes,
 merges and trains; the next ones train further (each call's training is one LR schedule, warm-up included, from
 the previous call's last weights: `runtime.fit_steps_to_time_limit` fits a schedule to the minutes a call has);
-the last also evaluates. Training takes every minute the other phases leave (--budget-min minus regen, eval and
-the minute kept for shipping). Before stage.sh: `benchmarks/gpu/README.md`. Two failures are recovered from in
+the last also evaluates. With --schedule-steps S --schedule-start N the calls instead train their parts of one
+schedule S steps long, from its step N on (optim.schedule_steps; stint.json's "schedule" says where the stint
+ended, the next stint's --schedule-start). Training takes every minute the other phases leave (--budget-min
+minus regen, eval and the minute kept for shipping). Before stage.sh: `benchmarks/gpu/README.md`. Two failures are recovered from in
 the same call, with the minutes left: a regeneration out of GPU memory goes on with half --max-batch-tokens (its
 finished shards resumed), and a training run with --feature-pass native that fails before its first checkpoint
 runs again with transformers' pass.
@@ -394,12 +396,21 @@ class Stint:
             saved = ck.parent.parent / "val_references.jsonl"
             refs = str(saved) if saved.is_file() else None
         data = Path(self.a.data) if self.a.data else self.data
+        a = self.a
+        # this call's part of the long schedule: on from the steps the stint's earlier runs took
+        if a.schedule_steps is not None:
+            start = a.schedule_start + sum(self.steps_of(r) for r in runs)
+            if start >= a.schedule_steps:
+                self.note(f"the {a.schedule_steps}-step LR schedule is done (step {start}): nothing to train")
+                return
+            extra = [f"optim.schedule_steps={a.schedule_steps}", f"optim.schedule_start={start}"]
+            a = argparse.Namespace(**{**vars(a), "train_extra": [*a.train_extra, *extra]})
         run = self.work / f"train-{len(runs) + 1}"
         runs.append(run.name)
         self.save_state()
         # the trainer stops itself at its time limit; the timeout is only a guard (checkpoints every 200 steps)
         t = time.perf_counter()
-        rc = self.run("train", train_args(self.a, data, run, init, minutes, refs), minutes + 0.5)
+        rc = self.run("train", train_args(a, data, run, init, minutes, refs), minutes + 0.5)
         left = minutes - (time.perf_counter() - t) / 60
         if (
             rc != 0
@@ -410,12 +421,9 @@ class Stint:
             self.note(
                 "training with the native feature pass failed before its first checkpoint; again with hf"
             )
-            extra = [
-                x
-                for x in self.a.train_extra
-                if not x.startswith(("runtime.feature_pass=", "runtime.compile="))
-            ]
-            hf = argparse.Namespace(**{**vars(self.a), "feature_pass": "hf", "train_extra": extra})
+            native = ("runtime.feature_pass=", "runtime.compile=")
+            extra = [x for x in a.train_extra if not x.startswith(native)]
+            hf = argparse.Namespace(**{**vars(a), "feature_pass": "hf", "train_extra": extra})
             run = self.work / f"train-{len(runs) + 1}"
             runs.append(run.name)
             self.save_state()
@@ -438,6 +446,14 @@ class Stint:
                 return cks[-1]
         return None
 
+    def metrics(self, run: str) -> list[dict[str, Any]]:
+        f = self.work / run / "metrics.jsonl"
+        return [json.loads(x) for x in f.read_text().splitlines() if x.strip()] if f.is_file() else []
+
+    def steps_of(self, run: str) -> int:
+        """The optimizer steps training run `run` (a folder of this stint's) logged."""
+        return max((int(m["step"]) for m in self.metrics(run)), default=0)
+
     def summary(self) -> dict[str, Any]:
         def manifest(p: Path) -> dict[str, Any]:
             f = p / "manifest.json"
@@ -446,9 +462,8 @@ class Stint:
         new, cum = manifest(self.work / "new"), manifest(Path(self.a.data) if self.a.data else self.data)
         steps, loop_s, val_s, val = 0, 0.0, 0.0, {}
         for name in self.state["train_runs"]:
-            lines = [json.loads(x) for x in (self.work / name / "metrics.jsonl").read_text().splitlines()
-                     if x.strip()] if (self.work / name / "metrics.jsonl").is_file() else []  # fmt: skip
-            steps += max((int(m["step"]) for m in lines), default=0)
+            lines = self.metrics(name)
+            steps += self.steps_of(name)
             prev = 0
             for m in lines:  # the optimizer steps' own time (no start-up, compile or validation)
                 loop_s += float(m.get("step_time_s", 0.0)) * (int(m["step"]) - prev)
@@ -477,6 +492,8 @@ class Stint:
             "cumulative": {"samples": (cum.get("counts") or {}).get("train"),
                            "loss_tokens": ((cum.get("tokens") or {}).get("train") or {}).get("loss")},
             "val": val, "eval": evals,
+            **({"schedule": {"steps": self.a.schedule_steps, "start": self.a.schedule_start,
+                             "end": self.a.schedule_start + steps}} if self.a.schedule_steps is not None else {}),
         }  # fmt: skip
 
     def write_summary(self) -> None:
@@ -622,6 +639,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )  # fmt: skip
     p.add_argument("--train-extra", nargs="*", default=[], help="more key=value training overrides")
     p.add_argument(
+        "--schedule-steps", type=int, default=None,
+        help="train a part of one LR schedule this many optimizer steps long (optim.schedule_steps), from "
+        "--schedule-start on, instead of a schedule of this call's own: a campaign spread over stints as one run",
+    )  # fmt: skip
+    p.add_argument(
+        "--schedule-start", type=int, default=0,
+        help="the step of --schedule-steps' schedule this stint starts at: the last stint's schedule end "
+        "(its stint.json 'schedule')",
+    )  # fmt: skip
+    p.add_argument(
         "--bundle-mib", type=float, default=60.0, help="new data rides in the bundle below this size"
     )
     p.add_argument("--work", default=None, help="work folder (default $WORK/stint-K)")
@@ -634,6 +661,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         a.input = [] if a.self_prompts else [f"sharegpt:{gpu_dir('stage') / 'sharegpt_compact.json.gz'}"]
     for spec in a.input:
         check_training_input(spec)
+    if a.schedule_steps is not None and not 0 <= a.schedule_start < a.schedule_steps:
+        p.error(f"--schedule-start {a.schedule_start} must be in [0, --schedule-steps {a.schedule_steps})")
     return a
 
 

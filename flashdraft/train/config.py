@@ -116,6 +116,16 @@ class OptimConfig:
     # > 0: checkpoints hold an exponential moving average of the weights with this decay per step (warmed up
     # as min(decay, (1 + step) / (10 + step)); flashdraft/train/ema.py). 0: off (the paper's recipe)
     ema_decay: float = 0.0
+    # one LR schedule spread over several runs, each starting from the last one's weights (a campaign's stints):
+    # its warmup (warmup_ratio of it) and cosine span schedule_steps optimizer steps, and this run takes its steps
+    # from schedule_start on, ending at its end at the latest. A run starting past 0 has fresh optimizer moments,
+    # so it ramps up to the schedule's rate over its own first warmup_ratio × its steps. None: the schedule is
+    # this run's own
+    schedule_steps: int | None = None
+    schedule_start: int = 0
+
+    # keys added after runs stored their config hash, at the value those runs had (`hashed_section`)
+    ADDED: ClassVar[dict[str, Any]] = {"schedule_steps": None, "schedule_start": 0}
 
 
 @dataclass
@@ -311,6 +321,14 @@ class TrainConfig:
             raise ConfigError(f"optim.epochs {o.epochs} must be >= 1 (or set optim.max_steps)")
         if o.max_steps is not None and o.max_steps < 1:
             raise ConfigError(f"optim.max_steps {o.max_steps} must be >= 1")
+        if o.schedule_steps is None and o.schedule_start != 0:
+            raise ConfigError(
+                f"optim.schedule_start {o.schedule_start} needs optim.schedule_steps (the whole schedule)"
+            )
+        if o.schedule_steps is not None and not 0 <= o.schedule_start < o.schedule_steps:
+            raise ConfigError(
+                f"optim.schedule_start {o.schedule_start} must be in [0, optim.schedule_steps {o.schedule_steps})"
+            )
         if not _DEVICE.fullmatch(self.runtime.device):
             raise ConfigError(f"runtime.device {self.runtime.device!r}: use auto, cpu, cuda or cuda:N")
         td = self.runtime.target_device

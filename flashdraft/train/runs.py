@@ -332,6 +332,16 @@ def _drafter_shape(model: dict[str, Any]) -> str:
     return f"from `{model['init_from']}`" + (f" with {grow} layers added" if grow else "")
 
 
+def _schedule_lines(s: RunSummary) -> list[str]:
+    """Where the run sits in a longer LR schedule it is one part of (optim.schedule_steps), or no line."""
+    o = s.config.get("optim") or {}
+    if not o.get("schedule_steps"):
+        return []
+    start, total = int(o.get("schedule_start") or 0), int(o["schedule_steps"])
+    now = start + s.step
+    return [f"- LR schedule: a part of one {total:,} steps long, from its step {start:,}; now at {now:,}"]
+
+
 def status_markdown(s: RunSummary, now: float | None = None) -> str:
     now = time.time() if now is None else now
     cfg = s.config
@@ -357,6 +367,7 @@ def status_markdown(s: RunSummary, now: float | None = None) -> str:
         "",
         "## Progress",
         f"- step {s.step}" + (f" of {s.total_steps} ({s.step / s.total_steps:.1%})" if s.total_steps else ""),
+        *_schedule_lines(s),
         f"- epoch {_num(s.epoch, 'd') if isinstance(s.epoch, int) else _num(s.epoch)}; "
         f"tokens seen {_num(s.tokens_seen, ',') if isinstance(s.tokens_seen, int) else _num(s.tokens_seen)}",
         f"- last update {_duration(now - s.updated) + ' ago' if s.updated else '-'}",

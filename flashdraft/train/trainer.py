@@ -37,7 +37,7 @@ from flashdraft.train.checkpoint import (
     save_checkpoint,
     step_of,
 )
-from flashdraft.train.config import TrainConfig, fused_ce_on, hashed_section
+from flashdraft.train.config import OptimConfig, TrainConfig, fused_ce_on, hashed_section
 from flashdraft.train.ema import WeightEMA
 from flashdraft.train.flops import step_flops, trainable_params
 from flashdraft.train.host import HostThreads, resolve_host_threads
@@ -78,19 +78,36 @@ FIT_SKIP, FIT_STEPS, REFIT_AT = 10, 100, (0.25, 0.5)
 
 @dataclass
 class LRSchedule:
-    """Linear warmup to `peak`, then cosine down to `peak × min_ratio` at `total_steps`."""
+    """Linear warmup to `peak`, then cosine down to `peak × min_ratio` at `total_steps`. A run that is one part of
+    a longer schedule (optim.schedule_steps) starts at its step `offset` and ramps linearly up to the schedule's
+    rate over its own first `ramp_steps` steps."""
 
     peak: float
     total_steps: int
     warmup_steps: int
     min_ratio: float = 0.0
+    offset: int = 0
+    ramp_steps: int = 0
 
-    def __call__(self, step: int) -> float:  # step: optimizer steps already taken
+    def __call__(self, step: int) -> float:  # step: optimizer steps this run has taken
+        ramp = (step + 1) / self.ramp_steps if step < self.ramp_steps else 1.0
+        step += self.offset
         if step < self.warmup_steps:
-            return self.peak * (step + 1) / self.warmup_steps
+            return ramp * self.peak * (step + 1) / self.warmup_steps
         span = max(1, self.total_steps - self.warmup_steps)
         progress = min(1.0, (step - self.warmup_steps) / span)
-        return self.peak * (self.min_ratio + (1 - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+        cosine = 0.5 * (1 + math.cos(math.pi * progress))
+        return ramp * self.peak * (self.min_ratio + (1 - self.min_ratio) * cosine)
+
+
+def lr_schedule(o: OptimConfig, run_steps: int) -> LRSchedule:
+    """The LR of a run of `run_steps` optimizer steps: its own warmup and cosine, or its part of the schedule
+    optim.schedule_steps long (from optim.schedule_start; ramped up over its first steps when that is past 0)."""
+    if o.schedule_steps is None:
+        return LRSchedule(o.lr, run_steps, math.ceil(o.warmup_ratio * run_steps), o.min_lr_ratio)
+    ramp = math.ceil(o.warmup_ratio * run_steps) if o.schedule_start > 0 else 0
+    warmup = math.ceil(o.warmup_ratio * o.schedule_steps)
+    return LRSchedule(o.lr, o.schedule_steps, warmup, o.min_lr_ratio, o.schedule_start, ramp)
 
 
 @dataclass
@@ -182,9 +199,7 @@ class Trainer:
         # the weights' moving average (optim.ema_decay > 0): what checkpoints' drafter/ folders hold
         self.ema = WeightEMA(drafter, o.ema_decay) if o.ema_decay > 0 else None
         self.total_steps = self._total_steps()
-        self.schedule = LRSchedule(
-            o.lr, self.total_steps, math.ceil(o.warmup_ratio * self.total_steps), o.min_lr_ratio
-        )
+        self.schedule = lr_schedule(o, self.total_steps)
         self.step = 0
         self.tokens_seen = 0
         self.anchors_seen = 0
@@ -200,8 +215,12 @@ class Trainer:
     def _total_steps(self) -> int:
         o = self.cfg.optim
         if o.max_steps is not None:
-            return o.max_steps
-        return max(1, math.ceil(self.source.micro_batches_per_epoch() * o.epochs / o.grad_accum))
+            steps = o.max_steps
+        else:
+            steps = max(1, math.ceil(self.source.micro_batches_per_epoch() * o.epochs / o.grad_accum))
+        if o.schedule_steps is not None:  # a part of a longer schedule ends with it at the latest
+            steps = min(steps, o.schedule_steps - o.schedule_start)
+        return steps
 
     def _agree(self, flags: list[bool]) -> list[bool]:
         """Control flags as every rank sees them (one process: as they are)."""
@@ -214,7 +233,7 @@ class Trainer:
     def _set_total_steps(self, total: int) -> None:
         o = self.cfg.optim
         self.total_steps = total
-        self.schedule = LRSchedule(o.lr, total, math.ceil(o.warmup_ratio * total), o.min_lr_ratio)
+        self.schedule = lr_schedule(o, total)
 
     def _fit_total_steps(self, left_s: float, pace_s: float) -> str | None:
         """runtime.fit_steps_to_time_limit: the steps `left_s` holds at `pace_s` a step (less 3% for checkpoints
@@ -227,8 +246,13 @@ class Trainer:
         if fitted == self.total_steps:
             return None
         self._set_total_steps(fitted)
-        return (f"train: {pace_s:.3f} s a step, the time limit holds {fitted} of {self._asked_steps} steps: "
-                f"the LR schedule now ends at step {fitted}")  # fmt: skip
+        o = self.cfg.optim
+        then = (
+            f"the LR schedule now ends at step {fitted}"
+            if o.schedule_steps is None
+            else f"the run ends at step {o.schedule_start + fitted} of its {o.schedule_steps}-step LR schedule"
+        )
+        return f"train: {pace_s:.3f} s a step, the time limit holds {fitted} of {self._asked_steps} steps: {then}"  # fmt: skip
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -85,6 +85,13 @@ def test_status_names_the_drafters_depth_as_its_config_decides_it() -> None:
     assert _drafter_shape({"init_from": "models/d", "grow_layers": 3}) == "from `models/d` with 3 layers added"
 
 
+def test_status_says_where_a_run_sits_in_the_longer_schedule_it_is_part_of(run):
+    s = summarize(run / "alpha")  # 6 steps, a schedule of its own
+    assert "LR schedule" not in status_markdown(s)
+    s.config["optim"] = {**(s.config.get("optim") or {}), "schedule_steps": 9000, "schedule_start": 3000}
+    assert "- LR schedule: a part of one 9,000 steps long, from its step 3,000; now at 3,006" in status_markdown(s)
+
+
 def test_status_shows_model_flops_and_mfu_when_logged(run):
     s = summarize(run / "alpha")  # trained without telemetry.peak_tflops: model FLOP/s, no mfu
     assert s.model_tflops_per_s > 0 and s.mfu is None

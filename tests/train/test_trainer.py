@@ -24,7 +24,7 @@ from flashdraft.train.flops import step_flops
 from flashdraft.train.launch import build_drafter, train
 from flashdraft.train.metrics import read_metrics
 from flashdraft.train.source import InProcessSource
-from flashdraft.train.trainer import Interval, LRSchedule, Trainer, TrainingError
+from flashdraft.train.trainer import Interval, LRSchedule, Trainer, TrainingError, lr_schedule
 from tests.conftest import tiny_target
 from tests.train.helpers import make_docs
 
@@ -58,6 +58,37 @@ def test_lr_schedule_warmup_then_cosine():
     assert s(52) == pytest.approx(0.1 + 0.9 * 0.5)
     assert s(100) == pytest.approx(0.1)
     assert s(70) < s(60) < s(50)
+
+
+def test_a_long_schedule_split_over_runs_is_the_whole_schedule_after_each_ramp():
+    """optim.schedule_steps: runs that each take a part of one schedule (from the last one's weights) follow it
+    step for step, but for the ramp a run starting past step 0 climbs to the schedule's rate with (fresh moments)."""
+    over = ["optim.lr=1.0", "optim.warmup_ratio=0.1", "optim.min_lr_ratio=0.1", "optim.schedule_steps=200"]
+    whole = lr_schedule(load_config(TrainConfig, None, [*SMALL, *over]).optim, 200)
+    assert whole == LRSchedule(peak=1.0, total_steps=200, warmup_steps=20, min_ratio=0.1)
+    first = lr_schedule(load_config(TrainConfig, None, [*SMALL, *over, "optim.max_steps=80"]).optim, 80)
+    assert [first(i) for i in range(80)] == [whole(i) for i in range(80)]  # from step 0: no ramp
+    o = load_config(TrainConfig, None, [*SMALL, *over, "optim.schedule_start=80"]).optim
+    second = lr_schedule(o, 120)
+    assert (second.offset, second.ramp_steps) == (80, 12)
+    assert second(0) == pytest.approx(whole(80) / 12) and second(5) == pytest.approx(whole(85) * 6 / 12)
+    assert [second(i) for i in range(12, 120)] == [whole(i) for i in range(92, 200)]
+    assert second(119) == pytest.approx(0.1, abs=1e-4)  # the schedule's end, not a fresh cosine's middle
+    for bad, msg in (("optim.schedule_start=200", r"must be in \[0, optim.schedule_steps 200\)"),
+                     ("optim.schedule_start=-1", "must be in")):  # fmt: skip
+        with pytest.raises(ConfigError, match=msg):
+            load_config(TrainConfig, None, [*SMALL, *over, bad]).validate()
+    with pytest.raises(ConfigError, match="needs optim.schedule_steps"):
+        load_config(TrainConfig, None, [*SMALL, "optim.schedule_start=5"]).validate()
+
+
+def test_a_run_that_is_part_of_a_longer_schedule_ends_with_it(tmp_path):
+    tr = make_trainer(tmp_path, ["optim.max_steps=100", "optim.schedule_steps=10", "optim.schedule_start=6"])
+    res = tr.run()
+    assert res.steps == 4 and tr.total_steps == 4
+    lrs = [m["lr"] for m in read_metrics(tmp_path / "run")]
+    assert lrs == pytest.approx([tr.schedule(i) for i in range(4)])
+    assert tr.schedule.offset == 6
 
 
 def test_checkpoints_layout_retention_and_best_by_eval(tmp_path):
