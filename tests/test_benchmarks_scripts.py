@@ -253,6 +253,32 @@ def test_stage_uses_the_repository_helpers(tmp_path: Path) -> None:
     assert out.returncode == 1 and "checksum mismatch" in out.stderr and not (tmp_path / "j").exists()
 
 
+def test_make_stage_packs_files_first_fit_and_stages_every_campaign_pack_in_order(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ms = _load_script(REPO / "benchmarks/gpu/make_stage.py", monkeypatch)
+    files = []
+    for name, size in (("a", 50), ("b", 30), ("c", 20), ("d", 15), ("e", 40)):
+        (tmp_path / name).write_bytes(b"x" * size)
+        files.append(tmp_path / name)
+    bins = [[files[0]]]  # a folder the other files filled first
+    ms.first_fit(files[1:], 64, bins)
+    assert [[f.name for f in b] for b in bins] == [["a"], ["b", "c"], ["d", "e"]]
+    for k in (10, 8, 9):
+        pack = tmp_path / "benchmarks/results/campaign" / f"stint-{k}" / "new-data.fdpack"
+        pack.parent.mkdir(parents=True)
+        pack.write_bytes(b"")
+    monkeypatch.setattr(ms, "ROOT", tmp_path)
+    assert [k for k, _ in ms.campaign_packs()] == [8, 9, 10]  # by stint, not by name
+    # the tree slimmed for the calls (slim_tree.sh aside DIR): the packs are found where results/ was set aside
+    (tmp_path / "aside").mkdir()
+    (tmp_path / "benchmarks/results").rename(tmp_path / "aside/results")
+    (tmp_path / ".git").mkdir()
+    (tmp_path / ".git/slim_tree_aside").write_text(f"{tmp_path / 'aside'}\n")
+    campaign = tmp_path / "aside/results/campaign"
+    assert ms.campaign_packs() == [(k, campaign / f"stint-{k}/new-data.fdpack") for k in (8, 9, 10)]
+
+
 def _load_script(path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
     monkeypatch.syspath_prepend(str(path.parent))
     spec = importlib.util.spec_from_file_location(f"_script_{path.stem}", path)

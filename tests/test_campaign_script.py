@@ -417,6 +417,22 @@ def test_an_earlier_stint_s_pack_is_unpacked_then_merged(tmp_path: Path) -> None
     assert ran == [cmd["merge"]] and _rows(folder) == _rows(tmp_path / "s7")
 
 
+def test_prev_packs_merges_every_staged_pack_in_stint_order(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """make_stage.py --packs stages each kept pack as campaign-stint-K.fdpack; --prev-packs takes them all."""
+    stage = tmp_path / "stage"
+    stage.mkdir()
+    for k in (10, 8, 9):
+        (stage / f"campaign-stint-{k}.fdpack").write_bytes(b"")
+    (stage / "sharegpt_compact.json.gz").write_bytes(b"")
+    a = cs.parse_args(["--stint", "19", "--prev-data", "/p/s6", "--prev-packs", str(stage), "--work", "/w"])
+    assert a.prev_data == ["/p/s6", *(str(stage / f"campaign-stint-{k}.fdpack") for k in (8, 9, 10))]
+    assert cs.main(["--stint", "19", "--prev-packs", str(tmp_path), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"campaign_stint: --prev-packs {tmp_path}: no campaign-stint-K.fdpack") and err.count("\n") == 1
+
+
 def test_a_stint_that_trains_on_earlier_stints_data_alone(tmp_path: Path) -> None:
     """--phases merge,train with --prev-data and no regeneration of its own: the merge takes the earlier datasets
     only (a folder `new` it never made would fail the merge); with nothing to merge it stops with a reason."""

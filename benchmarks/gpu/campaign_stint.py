@@ -201,6 +201,14 @@ def prev_dataset(spec: str, work: Path) -> Path:
     return work / "prev" / f"{p.parent.name}-{p.stem}"
 
 
+def staged_packs(folder: Path) -> list[Path]:
+    """The campaign's packs that make_stage.py --packs staged in `folder` (campaign-stint-K.fdpack), in stint order."""
+    packs = sorted(folder.glob("campaign-stint-*.fdpack"), key=lambda p: int(p.stem.removeprefix("campaign-stint-")))
+    if not packs:
+        raise StintError(f"--prev-packs {folder}: no campaign-stint-K.fdpack there (make_stage.py --packs stages them)")
+    return packs
+
+
 def merge_sources(prev: list[Path], new: Path, regenerating: bool = False) -> list[Path]:
     """The datasets a stint merges: the earlier stints', then its own regeneration when it has one (or, in a
     dry run, is about to make one); a stint may train on earlier stints' data alone."""
@@ -583,6 +591,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=[],
         help="an earlier stint's dataset, merged in (a folder, or a .fdpack file that is unpacked first; repeatable)",
     )
+    p.add_argument(
+        "--prev-packs", default=None, metavar="DIR",
+        help="every campaign-stint-K.fdpack in DIR (make_stage.py --packs: $STAGE), merged in stint order after "
+        "--prev-data",
+    )  # fmt: skip
     p.add_argument("--data", default=None, help="train on this dataset instead of regen + merge")
     p.add_argument(
         "--input", action="append", default=None, help="training prompts (default: the staged ShareGPT)"
@@ -661,6 +674,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         a.input = [] if a.self_prompts else [f"sharegpt:{gpu_dir('stage') / 'sharegpt_compact.json.gz'}"]
     for spec in a.input:
         check_training_input(spec)
+    if a.prev_packs is not None:
+        a.prev_data = [*a.prev_data, *map(str, staged_packs(Path(a.prev_packs)))]
     if a.schedule_steps is not None and not 0 <= a.schedule_start < a.schedule_steps:
         p.error(f"--schedule-start {a.schedule_start} must be in [0, --schedule-steps {a.schedule_steps})")
     return a

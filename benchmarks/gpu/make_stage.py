@@ -10,9 +10,15 @@ run `bash benchmarks/gpu/stage.sh` there.
     python benchmarks/gpu/make_stage.py                  # → .stage/1: everything in one folder
     python benchmarks/gpu/make_stage.py --max-mib 64     # → .stage/1, .stage/2, ...: each folder, with the
                                                          #   repository's working tree beside it, within 64 MiB
+    python benchmarks/gpu/make_stage.py --max-mib 62 --packs  # + every campaign stint's data pack
 
 `--max-mib` is for a channel that limits each transfer (a folder travels with the working tree); the GGUF is
 cut into parts that fit, and stage.sh joins them once all folders are on the host.
+
+`--packs` stages the campaign's kept data too: each `benchmarks/results/campaign/stint-K/new-data.fdpack` as
+`campaign-stint-K.fdpack`, in the room the other files leave, then in folders of their own (the packs outgrow one
+call: 27 MiB after stint 18, 1.5–4 MiB more a stint). On the host `campaign_stint.py --prev-packs $STAGE` merges
+them all, so no call has to carry them with the tree.
 
 The compact ShareGPT file keeps each complete record's system prompt and EVERY user turn verbatim;
 the assistant turns become "." (regeneration replaces them with the target's own answers, so
@@ -74,6 +80,29 @@ def tree_bytes() -> int:
     return sum((ROOT / f).stat().st_size for f in out.split("\0") if f and (ROOT / f).is_file())
 
 
+def campaign_packs() -> list[tuple[int, Path]]:
+    """Every kept campaign pack, (stint, path), in stint order: in the tree, or where benchmarks/gpu/slim_tree.sh
+    has set benchmarks/results/ aside (the tree slimmed for the calls)."""
+    aside = ROOT / ".git" / "slim_tree_aside"
+    results = ROOT / "benchmarks" / "results"
+    if aside.is_file():
+        results = Path(aside.read_text().strip()) / "results"
+    found = results.glob("campaign/stint-*/new-data.fdpack")
+    return sorted((int(p.parent.name.removeprefix("stint-")), p) for p in found)
+
+
+def first_fit(files: list[Path], room: int, bins: list[list[Path]]) -> None:
+    """Put each file in the first of `bins` (folders) with `room` bytes left for it, else in a new one."""
+    for f in files:
+        size = f.stat().st_size
+        for b in bins:
+            if sum(x.stat().st_size for x in b) + size <= room:
+                b.append(f)
+                break
+        else:
+            bins.append([f])
+
+
 def main() -> None:
     import argparse
 
@@ -83,7 +112,13 @@ def main() -> None:
     ap.add_argument(
         "--max-mib", type=int, default=0, help="each folder plus the working tree within this (0: one folder)"
     )
+    ap.add_argument(
+        "--packs", action="store_true", help="stage every campaign stint's pack (campaign-stint-K.fdpack)"
+    )
     a = ap.parse_args()
+    kept = campaign_packs() if a.packs else []
+    if a.packs and not kept:
+        raise SystemExit("--packs: no campaign/stint-*/new-data.fdpack in benchmarks/results, or set aside")
     folder, name = default_target_path()
     gguf = folder / name
     room = (a.max_mib * 2**20 - tree_bytes() - 2**20) if a.max_mib else 2**62  # a MiB of margin
@@ -119,22 +154,24 @@ def main() -> None:
     n = compact_sharegpt(extra / "sharegpt_compact.json.gz")
     parts = sorted((STAGE / "parts").glob("*.part*"))
     (extra / "PARTS").write_text(f"{len(parts)}\n")  # stage.sh joins once this many parts are there
-    files = [*sorted(extra.iterdir()), STAGE / "parts" / "SHA256", *parts]
-    # first-fit into folders .stage/1, .stage/2, ... each within the room
+    # first-fit into folders .stage/1, .stage/2, ... each within the room; the packs (needed only when merging,
+    # after every folder is on the host) where room is left
     bins: list[list[Path]] = []
-    for f in files:
-        size = f.stat().st_size
-        for b in bins:
-            if sum(x.stat().st_size for x in b) + size <= room:
-                b.append(f)
-                break
-        else:
-            bins.append([f])
+    first_fit([*sorted(extra.iterdir()), STAGE / "parts" / "SHA256", *parts], room, bins)
+    if a.packs:
+        (STAGE / "packs").mkdir()
+        packs = [STAGE / "packs" / f"campaign-stint-{k}.fdpack" for k, _ in kept]
+        for dst, (_, src) in zip(packs, kept, strict=True):
+            shutil.copy(src, dst)
+        if any(f.stat().st_size > room for f in packs):
+            raise SystemExit(f"--max-mib {a.max_mib}: a pack is larger than a folder's room")
+        first_fit(packs, room, bins)
     for k, b in enumerate(bins, start=1):
         (STAGE / str(k)).mkdir()
         for f in b:
             shutil.move(f, STAGE / str(k) / f.name)
     shutil.rmtree(STAGE / "parts")
+    shutil.rmtree(STAGE / "packs", ignore_errors=True)
     shutil.rmtree(extra)
     print(f"{n} conversations; working tree {tree_bytes() / 2**20:.1f} MiB; {len(bins)} folder(s) to copy:")
     for p in sorted(STAGE.glob("*/*")):
