@@ -279,6 +279,42 @@ def test_make_stage_packs_files_first_fit_and_stages_every_campaign_pack_in_orde
     assert ms.campaign_packs() == [(k, campaign / f"stint-{k}/new-data.fdpack") for k in (8, 9, 10)]
 
 
+def test_schedule_parts_trains_one_schedule_two_rewarmed_runs_and_two_parts_then_evaluates_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sp = _load_script(REPO / "benchmarks/schedule_parts.py", monkeypatch)
+    ran: list[list[str]] = []
+
+    def fake_run(cmd: list[str], **kw: Any) -> subprocess.CompletedProcess:
+        ran.append(cmd)
+        over = dict(x.split("=", 1) for x in cmd if "=" in x and not x.startswith("-"))
+        if cmd[3] == "train":
+            step = int(over["optim.max_steps"])
+            (Path(over["run_dir"]) / "checkpoints" / f"step-{step:08d}" / "drafter").mkdir(parents=True)
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(sp.subprocess, "run", fake_run)
+    out, runs = tmp_path / "out", tmp_path / "runs"
+    monkeypatch.setattr(sys, "argv", ["x", "--work", str(tmp_path / "qs"), "--steps", "10", "--runs", str(runs),
+                                      "--out", str(out)])  # fmt: skip
+    sp.main()
+    trains = [dict(x.split("=", 1) for x in c if "=" in x and not x.startswith("-")) for c in ran[:5]]
+    names = ("whole", "first-half", "rewarm", "parts-1", "parts")
+    assert [t["run_dir"] for t in trains] == [str(runs / n) for n in names]
+    assert [int(t["optim.max_steps"]) for t in trains] == [20, 10, 10, 10, 10]
+    assert [t.get("optim.schedule_steps") for t in trains] == [None, None, None, "20", "20"]
+    assert [t.get("optim.schedule_start") for t in trains] == [None, None, None, None, "10"]
+    assert trains[2]["model.init_from"] == str(runs / "first-half/checkpoints/step-00000010/drafter")
+    assert trains[4]["model.init_from"] == str(runs / "parts-1/checkpoints/step-00000010/drafter")
+    assert trains[2]["runtime.seed"] == trains[4]["runtime.seed"] == "1" and "runtime.seed" not in trains[0]
+    assert all(t["optim.ema_decay"] == "0.0" and "runtime.time_limit_min" not in t for t in trains)
+    evaluated = [ran[5][i + 1] for i, x in enumerate(ran[5]) if x == "--drafter"]
+    assert ran[5][3] == "eval" and [Path(d).parts[-4] for d in evaluated] == ["whole", "rewarm", "parts"]
+    assert json.loads((out / "train_seconds.json").read_text())["steps_per_half"] == 10
+    with pytest.raises(SystemExit, match="exists"):
+        sp.main()  # the runs folder is there now: no run resumes another
+
+
 def _load_script(path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
     monkeypatch.syspath_prepend(str(path.parent))
     spec = importlib.util.spec_from_file_location(f"_script_{path.stem}", path)

@@ -237,8 +237,9 @@ class Trainer:
 
     def _fit_total_steps(self, left_s: float, pace_s: float) -> str | None:
         """runtime.fit_steps_to_time_limit: the steps `left_s` holds at `pace_s` a step (less 3% for checkpoints
-        and drift), at most what the config asks for; the LR schedule is rebuilt for them (its warmup too).
-        Returns a line for the log when the total changed."""
+        and drift), at most what the config asks for; the LR schedule is rebuilt for them (its warmup too; a
+        part of a longer schedule, optim.schedule_steps, keeps that schedule and only ends elsewhere). Returns a
+        line for the log when the total changed."""
         self._fitted = True
         if pace_s <= 0:
             return None
