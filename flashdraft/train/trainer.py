@@ -93,11 +93,11 @@ class LRSchedule:
         ramp = (step + 1) / self.ramp_steps if step < self.ramp_steps else 1.0
         step += self.offset
         if step < self.warmup_steps:
-            return ramp * self.peak * (step + 1) / self.warmup_steps
+            return ramp * (self.peak * (step + 1) / self.warmup_steps)
         span = max(1, self.total_steps - self.warmup_steps)
         progress = min(1.0, (step - self.warmup_steps) / span)
-        cosine = 0.5 * (1 + math.cos(math.pi * progress))
-        return ramp * self.peak * (self.min_ratio + (1 - self.min_ratio) * cosine)
+        lr = self.peak * (self.min_ratio + (1 - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+        return ramp * lr  # ramp 1.0 (a run's own schedule): the rate as it always was, to the bit
 
 
 def lr_schedule(o: OptimConfig, run_steps: int) -> LRSchedule:
