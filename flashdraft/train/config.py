@@ -119,8 +119,8 @@ class OptimConfig:
     # one LR schedule spread over several runs, each starting from the last one's weights (a campaign's stints):
     # its warmup (warmup_ratio of it) and cosine span schedule_steps optimizer steps, and this run takes its steps
     # from schedule_start on, ending at its end at the latest. A run starting past 0 has fresh optimizer moments,
-    # so it ramps up to the schedule's rate over its own first warmup_ratio × its steps. None: the schedule is
-    # this run's own
+    # so it ramps up to the schedule's rate over its own first warmup_ratio × its steps (at most 100). None: the
+    # schedule is this run's own
     schedule_steps: int | None = None
     schedule_start: int = 0
 

@@ -100,12 +100,19 @@ class LRSchedule:
         return ramp * lr  # ramp 1.0 (a run's own schedule): the rate as it always was, to the bit
 
 
+# a part of a longer LR schedule that starts past its step 0 ramps up over at most this many steps: its fresh Adam
+# moments settle well within it (β2 0.95: a horizon of ~20 steps), and it ends before runtime.fit_steps_to_time_limit
+# first refits the run's length (FIT_SKIP + FIT_STEPS), so a refit never moves a ramp under way
+PART_RAMP_MAX = 100
+
+
 def lr_schedule(o: OptimConfig, run_steps: int) -> LRSchedule:
     """The LR of a run of `run_steps` optimizer steps: its own warmup and cosine, or its part of the schedule
-    optim.schedule_steps long (from optim.schedule_start; ramped up over its first steps when that is past 0)."""
+    optim.schedule_steps long (from optim.schedule_start; ramped up over its first warmup_ratio × run_steps, at
+    most PART_RAMP_MAX, when that is past 0)."""
     if o.schedule_steps is None:
         return LRSchedule(o.lr, run_steps, math.ceil(o.warmup_ratio * run_steps), o.min_lr_ratio)
-    ramp = math.ceil(o.warmup_ratio * run_steps) if o.schedule_start > 0 else 0
+    ramp = min(PART_RAMP_MAX, math.ceil(o.warmup_ratio * run_steps)) if o.schedule_start > 0 else 0
     warmup = math.ceil(o.warmup_ratio * o.schedule_steps)
     return LRSchedule(o.lr, o.schedule_steps, warmup, o.min_lr_ratio, o.schedule_start, ramp)
 

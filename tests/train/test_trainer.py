@@ -74,6 +74,12 @@ def test_a_long_schedule_split_over_runs_is_the_whole_schedule_after_each_ramp()
     assert second(0) == pytest.approx(whole(80) / 12) and second(5) == pytest.approx(whole(85) * 6 / 12)
     assert [second(i) for i in range(12, 120)] == [whole(i) for i in range(92, 200)]
     assert second(119) == pytest.approx(0.1, abs=1e-4)  # the schedule's end, not a fresh cosine's middle
+    # a long part (a campaign stint asks for 10^6 steps and fits them to its time) ramps over 100 steps at most,
+    # done before the first fit to the time limit could change the run's length under it
+    part = ["optim.schedule_steps=60000", "optim.schedule_start=80"]
+    o = load_config(TrainConfig, None, [*SMALL, *over, *part]).optim
+    long = lr_schedule(o, 59920)
+    assert long.ramp_steps == trainer_mod.PART_RAMP_MAX == 100 < trainer_mod.FIT_SKIP + trainer_mod.FIT_STEPS
     for bad, msg in (("optim.schedule_start=200", r"must be in \[0, optim.schedule_steps 200\)"),
                      ("optim.schedule_start=-1", "must be in")):  # fmt: skip
         with pytest.raises(ConfigError, match=msg):
