@@ -30,9 +30,9 @@ from pathlib import Path
 from flashdraft.quickstart import CONFIG, SIZES, train_overrides
 
 
-def train(sizes_steps: int, run: Path, qs: Path, extra: list[str]) -> float:
-    """`flashdraft train` of the quickstart's cpu sizes for `sizes_steps` steps; returns its wall seconds."""
-    sizes = dataclasses.replace(SIZES["cpu"], steps=sizes_steps, train_minutes=None, ema_decay=0.0)
+def train(steps: int, run: Path, qs: Path, extra: list[str]) -> float:
+    """`flashdraft train` of the quickstart's cpu sizes for `steps` steps; returns its wall seconds."""
+    sizes = dataclasses.replace(SIZES["cpu"], steps=steps, train_minutes=None, ema_decay=0.0)
     args = [sys.executable, "-m", "flashdraft.cli", "train", str(CONFIG),
             *train_overrides(sizes, run, qs / "data", qs / "features", "cpu"), *extra]  # fmt: skip
     t = time.perf_counter()

@@ -14,8 +14,8 @@ the previous call's last weights: `runtime.fit_steps_to_time_limit` fits a sched
 the last also evaluates. With --schedule-steps S --schedule-start N the calls instead train their parts of one
 schedule S steps long, from its step N on (optim.schedule_steps; stint.json's "schedule" says where the stint
 ended, the next stint's --schedule-start). Training takes every minute the other phases leave (--budget-min
-minus regen, eval and the minute kept for shipping). Before stage.sh: `benchmarks/gpu/README.md`. Two failures are recovered from in
-the same call, with the minutes left: a regeneration out of GPU memory goes on with half --max-batch-tokens (its
+minus regen, eval and the minute kept for shipping). Before stage.sh: `benchmarks/gpu/README.md`. Two failures
+are recovered from in the same call, with the minutes left: a regeneration out of GPU memory goes on with half --max-batch-tokens (its
 finished shards resumed), and a training run with --feature-pass native that fails before its first checkpoint
 runs again with transformers' pass.
 
@@ -207,6 +207,11 @@ def staged_packs(folder: Path) -> list[Path]:
     if not packs:
         raise StintError(f"--prev-packs {folder}: no campaign-stint-K.fdpack there (make_stage.py --packs stages them)")
     return packs
+
+
+def last_step(metrics: list[dict[str, Any]]) -> int:
+    """The last optimizer step a training run's metrics.jsonl lines log (0 for none)."""
+    return max((int(m["step"]) for m in metrics), default=0)
 
 
 def merge_sources(prev: list[Path], new: Path, regenerating: bool = False) -> list[Path]:
@@ -460,7 +465,7 @@ class Stint:
 
     def steps_of(self, run: str) -> int:
         """The optimizer steps training run `run` (a folder of this stint's) logged."""
-        return max((int(m["step"]) for m in self.metrics(run)), default=0)
+        return last_step(self.metrics(run))
 
     def summary(self) -> dict[str, Any]:
         def manifest(p: Path) -> dict[str, Any]:
@@ -471,7 +476,7 @@ class Stint:
         steps, loop_s, val_s, val = 0, 0.0, 0.0, {}
         for name in self.state["train_runs"]:
             lines = self.metrics(name)
-            steps += self.steps_of(name)
+            steps += last_step(lines)
             prev = 0
             for m in lines:  # the optimizer steps' own time (no start-up, compile or validation)
                 loop_s += float(m.get("step_time_s", 0.0)) * (int(m["step"]) - prev)
