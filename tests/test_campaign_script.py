@@ -95,7 +95,7 @@ def test_dry_run_commands_parse_with_the_cli(capsys: pytest.CaptureFixture[str])
     train = _parse(cmd["train"])
     cfg = load_config(TrainConfig, train["config"], train["overrides"])
     cfg.validate()
-    assert cfg.runtime.feature_pass == "native" and cfg.runtime.compile_parts == {"model", "loss", "target"}
+    assert cfg.runtime.feature_pass == "native" and cfg.runtime.compile_parts == {"model", "loss", "target", "target_graph"}
     assert cfg.model.init_from == "models/smollm2-135m-instruct-dflash-b16" and cfg.data.dataset == "/w/data"
     assert cfg.runtime.time_limit_min == 3.6 and cfg.runtime.fit_steps_to_time_limit  # 0.5 min start-up
     assert cfg.eval.every == 1000 and cfg.eval.dataset == f"humaneval:{HE}"

@@ -243,7 +243,9 @@ def train_args(
     second stint it stopped the trainer in its first steps (a compiled call in the producer thread while the
     trainer compiled); it now runs in the trainer's thread (flashdraft.train.pipeline.inline_reason), which
     tests/train/test_gpu.py checks on CUDA (passed on the H100, 2026-12-06), and stint 3 trained with it at
-    121K target tok/s against stint 2's 105K with hf: native is the default, hf the fallback."""
+    121K target tok/s against stint 2's 105K with hf: native is the default, hf the fallback. The native pass is also
+    replayed as a CUDA graph (runtime.compile's target_graph): the same losses to five digits, 154.5K against 151.9K
+    target tok/s and 0.8 against 14.6 ms of host time a batch (H200, 2026-12-07, benchmarks/gpu/call9_goals.sh train)."""
     refs = val_refs or a.val_references
     val = [f"eval.references={refs}", "eval.dataset="] if refs else [f"eval.dataset=humaneval:{a.humaneval}"]
     return [
@@ -251,7 +253,7 @@ def train_args(
         f"model.init_from={init_from}", "optim.max_steps=1000000", f"runtime.time_limit_min={round(max(0.5, minutes - TRAIN_OVERHEAD_MIN), 2)}",
         "runtime.fit_steps_to_time_limit=true", "checkpoint.every=200", "telemetry.progress=false",
         "telemetry.peak_tflops=790", f"runtime.feature_pass={a.feature_pass}",
-        "runtime.compile=model,loss" + (",target" if a.feature_pass == "native" else ""),
+        "runtime.compile=model,loss" + (",target,target_graph" if a.feature_pass == "native" else ""),
         "data.blocks_per_row=1024",
         f"eval.every={a.val_every}", *val, *a.train_extra,
     ]  # fmt: skip

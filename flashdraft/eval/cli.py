@@ -164,6 +164,9 @@ def register(app: typer.Typer) -> None:
             help="an earlier report.json (repeatable): a drafter it scored with the same weights (sha256), "
             "references and settings is not replayed, its results are taken from there (greedy evals)",
         ),
+        group: int = typer.Option(
+            16, help="references replayed together, their drafter passes packed into one forward (speed only)"
+        ),
         progress: bool = typer.Option(True, help="progress bars"),
     ) -> None:
         """Offline τ (chain, DDTree budgets, top-k streak) of one or more drafters, side by side."""
@@ -181,6 +184,8 @@ def register(app: typer.Typer) -> None:
             _fail("give --drafter PATH (repeatable) or --watch RUN_DIR")
         if ref_batch is not None and ref_batch < 1:
             _fail(f"--ref-batch {ref_batch} must be >= 1 (1 = exact single-sequence AR)")
+        if group < 1:
+            _fail(f"--group {group} must be >= 1")
         if ref_engine is not None and ref_engine not in ("loop", "native"):
             _fail(f"--ref-engine {ref_engine!r}: use loop or native")
         b_list, k_list = _ints(budgets, "--budgets"), _ints(topk, "--topk") if topk.strip() else []
@@ -227,7 +232,7 @@ def register(app: typer.Typer) -> None:
         kwargs = dict(
             budgets=b_list, topk=k_list, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
             cache_dir=cache_dir, server=srv, ref_batch=ref_batch, dataset=dataset, progress=progress,
-            ref_engine=ref_engine, frozen=frozen, reuse=reusable,
+            ref_engine=ref_engine, frozen=frozen, reuse=reusable, group=group,
         )  # fmt: skip
 
         if watch is not None:

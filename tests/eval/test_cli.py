@@ -69,6 +69,33 @@ def test_eval_ref_batch(setup: dict[str, Path]) -> None:
     assert r.exit_code == 2 and "--ref-batch 0 must be >= 1" in r.output
 
 
+def test_eval_group_changes_speed_only(setup: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """--group N replays N references together (one drafter forward for all): every prompt's τ is the one it
+    gets alone; < 1 is refused."""
+    from flashdraft.eval import evaluate as evaluate_mod
+
+    sizes: list[int] = []
+    replay = evaluate_mod.replay_batch
+    monkeypatch.setattr(evaluate_mod, "replay_batch", lambda t, d, items, *a, **k: sizes.append(len(items))
+                        or replay(t, d, items, *a, **k))  # fmt: skip
+    base = [
+        "eval", "--target", str(setup["target"]), "--drafter", str(setup["root"] / "d1"),
+        "--dataset", str(setup["prompts"]), "--max-new-tokens", "12", "--budgets", "2,8", "--topk", "2",
+        "--dtype", "float64", "--cache-dir", str(setup["root"] / "cache"), "--no-progress",
+    ]  # fmt: skip
+    per_sample = {}
+    for g in (1, 3):
+        out = setup["root"] / f"out-group-{g}"
+        r = CliRunner().invoke(app, [*base, "--group", str(g), "--out", str(out)])
+        assert r.exit_code == 0, r.output
+        rows = json.loads((out / "report.json").read_text())["drafters"]["d1"]["per_sample"]
+        per_sample[g] = {s["id"]: s["tau"] for s in rows}
+    assert sizes == [1, 1, 1, 3]  # the three prompts one at a time, then together
+    assert len(per_sample[3]) == 3 and per_sample[3] == per_sample[1]
+    r = CliRunner().invoke(app, [*base, "--group", "0", "--out", str(setup["root"] / "out-group-0")])
+    assert r.exit_code == 2 and "--group 0 must be >= 1" in r.output
+
+
 def test_eval_rejects_bad_pair(setup: dict[str, Path]) -> None:
     r = CliRunner().invoke(app, [
         "eval", "--target", str(setup["target"]), "--drafter", str(setup["root"] / "wrong"),
