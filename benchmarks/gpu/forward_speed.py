@@ -108,8 +108,9 @@ def time_phase(engine: FastEngine, key: tuple[Any, ...], reps: int) -> float:
     return ms
 
 
-def count_kernels(engine: FastEngine, key: tuple[Any, ...]) -> int:
-    """Kernels (memsets and copies too) one eager run of the phase launches: what its graph replays."""
+def kernel_profile(engine: FastEngine, key: tuple[Any, ...], top: int = 12) -> tuple[int, list[dict[str, Any]]]:
+    """Kernels (memsets and copies too) one eager run of the phase launches, what its graph replays: their number,
+    and the `top` kernel names by GPU time with their count and microseconds (where a phase's extra kernels go)."""
     from torch.profiler import ProfilerActivity, profile
 
     seq_len = engine.seq_len.clone()
@@ -118,7 +119,14 @@ def count_kernels(engine: FastEngine, key: tuple[Any, ...]) -> int:
         engine._phases[key].fn()
         torch.cuda.synchronize()
     engine.seq_len.copy_(seq_len)
-    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    by_name: dict[str, list[float]] = {}
+    for e in kernels:
+        n_us = by_name.setdefault(e.name[:120], [0, 0.0])
+        n_us[0] += 1
+        n_us[1] += e.time_range.elapsed_us()
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
+    return len(kernels), [{"name": n, "count": int(c), "us": round(us, 1)} for n, (c, us) in ranked]
 
 
 def phase_costs(engine: FastEngine, prompt: list[int], budget: int, reps: int) -> dict[str, Any]:
@@ -133,7 +141,9 @@ def phase_costs(engine: FastEngine, prompt: list[int], budget: int, reps: int) -
     out: dict[str, Any] = {f"{name}_ms": time_phase(engine, key, reps) for name, key in keys.items()}
     out["verify_chain_to_ar"] = out[f"verify_chain_q{engine.block}_ms"] / out["ar_step_ms"]
     if engine.device.type == "cuda":
-        out["kernels"] = {name: count_kernels(engine, key) for name, key in keys.items()}
+        profiles = {name: kernel_profile(engine, key) for name, key in keys.items()}
+        out["kernels"] = {name: n for name, (n, _) in profiles.items()}
+        out["kernel_names"] = {name: names for name, (_, names) in profiles.items()}
     return out
 
 
