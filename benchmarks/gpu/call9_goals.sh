@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The fast-path goals still unmeasured on a GPU, one part per device call (run from the repository root, after
+# The fast-path goals on a GPU, one part per device call (run from the repository root, after
 # stage.sh; each part writes under $OUT and a line per figure to $OUT/goals.log):
 #
 #   bash benchmarks/gpu/call9_goals.sh train       # flashdraft train on a campaign pack, target pass compiled vs
