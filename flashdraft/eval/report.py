@@ -89,6 +89,12 @@ def markdown_table(report: EvalReport) -> str:
         lines += ["", f"Reference vs teacher-forced argmax: {ref.agreed}/{ref.checked} agree "
                   f"({100 * ref.agreement_rate:.2f}%), {ref.truncated_samples} server/batched references cut at the first "
                   f"disagreement, {len(ref.divergences)} divergences."]  # fmt: skip
+    replays = ", ".join(
+        f"{d.name} {'reused' if d.reused_from else f'{d.seconds:.1f} s'}" for d in r.drafters.values()
+    )
+    lines += ["", f"Time: {r.seconds:.1f} s in all after the target loaded; references {ref.seconds:.1f} s "
+              f"({ref.computed} computed, {ref.cached} read), teacher-forced passes {r.teacher_forced_seconds:.1f} s, "
+              f"replays: {replays}."]  # fmt: skip
     for note in r.notes:
         lines.append(f"\n_{note}_")
     return "\n".join(lines) + "\n"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -49,6 +50,8 @@ def test_eval_side_by_side_writes_reports(setup: dict[str, Path]) -> None:
     md = (out / "report.md").read_text()
     assert "| d1 |" in md and "| d2 |" in md and "top-k streak" in md
     assert "server/batched references cut at the first disagreement" in md
+    # where the seconds went
+    assert re.search(r"Time: .*\(\d+ computed, \d+ read\).*replays: d1 [\d.]+ s, d2 ", md)
     for png in ("report_tau.png", "report_slots.png", "report_histogram.png"):
         assert (out / png).stat().st_size > 5000
     assert "| drafter | chain | ddtree-2" in r.output
