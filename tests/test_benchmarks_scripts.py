@@ -315,6 +315,45 @@ def test_schedule_parts_trains_one_schedule_two_rewarmed_runs_and_two_parts_then
         sp.main()  # the runs folder is there now: no run resumes another
 
 
+def test_compare_references_finds_where_batched_references_part_and_pairs_tau(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cr = _load_script(REPO / "benchmarks/yardstick/compare_references.py", monkeypatch)
+    head = {"format": "flashdraft-frozen-references/1", "target": "t", "target_fingerprint": "f", "dtype": "float32",
+            "max_new_tokens": 8, "temperature": 0.0, "stop_token_ids": [0]}  # fmt: skip
+    exact = [("a", [1, 2], [5, 6, 7]), ("b", [3], [8, 9, 10, 11]), ("c", [4], [12])]
+    frozen = tmp_path / "exact.jsonl"
+    frozen.write_text("".join(json.dumps({**head, "id": i, "prompt_ids": p, "tokens": t, "stop_reason": "length"})
+                              + "\n" for i, p, t in exact))  # fmt: skip
+    cache = tmp_path / "cache"
+    batched = {"a": [5, 6, 7], "b": [8, 9, 4, 4], "c": [12]}
+    for n, (i, p, _) in enumerate(exact):  # c's reference again with another prompt: not c's
+        ref = {"id": i, "prompt_ids": p if i != "c" else [99], "tokens": batched[i], "temperature": 0.0}
+        (cache / f"{n:02d}").mkdir(parents=True)
+        (cache / f"{n:02d}" / f"{n:02d}key.json").write_text(json.dumps(ref))
+    reports = []
+    for name, taus in (("computed", [2.0, 3.0]), ("frozen", [2.0, 3.5])):
+        per = [{"id": i, "tau": {"chain": t, "ddtree-8": 1.5}} for i, t in zip("ab", taus, strict=True)]
+        reports.append(tmp_path / f"{name}.json")
+        reports[-1].write_text(json.dumps({"drafters": {"d": {"per_sample": per}}}))
+    out = tmp_path / "cmp.json"
+    monkeypatch.setattr(sys, "argv", ["x", "--frozen", str(frozen), "--cache", str(cache), "--reports",
+                                      *map(str, reports), "--json", str(out)])  # fmt: skip
+    cr.main()
+    result = json.loads(out.read_text())
+    assert result["tokens"]["equal"] == 1 and result["tokens"]["missing"] == ["c"]
+    assert result["tokens"]["parted"] == [
+        {"id": "b", "first_difference": 2, "exact_tokens": 4, "batched_tokens": 4}
+    ]
+    assert result["tau"]["chain"] == {"prompts": 2, "differ": 1, "max_abs": 0.5, "mean": 0.25}
+    assert result["tau"]["ddtree-8"]["differ"] == 0
+    assert "1 of 3 prompts token-identical" in capsys.readouterr().out
+    (cache / "02" / "02key.json").write_text(json.dumps({"id": "a", "prompt_ids": [1, 2], "tokens": [5, 6, 0],
+                                                         "temperature": 0.0}))  # fmt: skip
+    with pytest.raises(SystemExit, match="two greedy references of prompt a"):
+        cr.main()
+
+
 def _load_script(path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
     monkeypatch.syspath_prepend(str(path.parent))
     spec = importlib.util.spec_from_file_location(f"_script_{path.stem}", path)

@@ -29,7 +29,17 @@ def read_cache(folder: Path) -> list[dict[str, Any]]:
 
 
 def compare_tokens(frozen: list[dict[str, Any]], cached: list[dict[str, Any]]) -> dict[str, Any]:
-    by_id = {(r["id"], tuple(r["prompt_ids"])): r for r in cached}
+    by_id: dict[tuple[str, tuple[int, ...]], dict[str, Any]] = {}
+    for r in cached:
+        if r.get("temperature", 0.0) != 0:
+            continue  # sampled references are not the greedy ones a frozen file holds
+        key = (r["id"], tuple(r["prompt_ids"]))
+        if key in by_id and by_id[key]["tokens"] != r["tokens"]:
+            raise SystemExit(
+                f"the cache holds two greedy references of prompt {r['id']} (other settings?): "
+                "point --cache at one run's cache folder"
+            )
+        by_id[key] = r
     equal, parted, missing = 0, [], []
     for f in frozen:
         c = by_id.get((f["id"], tuple(f["prompt_ids"])))
