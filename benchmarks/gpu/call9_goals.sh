@@ -9,6 +9,7 @@
 #                                                  # EVAL_RUNS (default "computed cached frozen"): references
 #                                                  # computed by the batched native engine, then cached, the frozen
 #                                                  # exact ones; group-N: frozen, --group N. DRAFTER; → evals.tgz
+#                                                  # (EVAL_PROFILE=1: each run under cProfile too)
 #   bash benchmarks/gpu/call9_goals.sh bench-he    # flashdraft bench over HumanEval-164 (AR, auto, chain, DDTree
 #   bash benchmarks/gpu/call9_goals.sh bench-sg    # 8/32/128/512), or the 100 held-out ShareGPT prompts; needs
 #                                                  # DRAFTER and TAU_DIR (its yardstick reports, for auto's τ)
@@ -72,11 +73,15 @@ eval)
     frozen) src=(--references benchmarks/yardstick/humaneval-164.jsonl) ;;
     group-*) src=(--references benchmarks/yardstick/humaneval-164.jsonl --group "${run#group-}") ;;
     esac
+    prof=()  # EVAL_PROFILE=1: the host's profile of each run (where the replay's seconds go), its top in RUN.prof.txt
+    [ -n "${EVAL_PROFILE:-}" ] && prof=(-m cProfile -o "$evals-$run.prof")
     t0=$(now)
-    python3 -m flashdraft.cli eval "${common[@]}" "${src[@]}" --out "$evals/$run" > "$evals-$run.log" 2>&1
+    python3 "${prof[@]}" -m flashdraft.cli eval "${common[@]}" "${src[@]}" --out "$evals/$run" > "$evals-$run.log" 2>&1
     log "eval $run: exit $? after $(since "$t0") s (the process, target load included); $(eval_seconds "$evals/$run")"
+    [ -f "$evals-$run.prof" ] && python3 -c 'import pstats, sys
+pstats.Stats(sys.argv[1]).sort_stats("tottime").print_stats(30)' "$evals-$run.prof" > "$evals-$run.prof.txt" 2>&1
   done
-  mv "$evals"-*.log "$evals"/
+  mv "$evals"-*.log "$evals"-*.prof* "$evals"/ 2>/dev/null
   tar czf "$OUT/evals.tgz" -C "$WORK" evals $(cd "$WORK" && ls -d refcache 2>/dev/null)  # one file: a call brings back a limited number
   ;;
 bench-he | bench-sg)
