@@ -354,6 +354,31 @@ def test_compare_references_finds_where_batched_references_part_and_pairs_tau(
         cr.main()
 
 
+def test_compiled_kernels_lists_what_a_longer_forward_launches_more(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """benchmarks/compiled_kernels.py on one random SmolLM2-shaped layer (inductor's CPU code, ~15 s): both query
+    lengths compile, every matmul and the attention are found, and the 16-token forward's one extra kernel is named."""
+    ck = _load_script(REPO / "benchmarks/compiled_kernels.py", monkeypatch)
+    code = "\n".join([
+        "        buf3 = torch.ops.aten._scaled_dot_product_efficient_attention.default(buf1, buf2)",
+        "        triton_poi_fused_add_0.run(buf0, stream=stream0)", "        extern_kernels.mm(buf1, buf2, out=buf3)",
+        "        cpp_fused_clone_transpose_view_2(buf1)", "        del buf3",
+    ])  # fmt: skip
+    assert [ck.kernel_name(c) for c in ck.LAUNCH.findall(code)] == [
+        "torch.ops.aten._scaled_dot_product_efficient_attention.default", "triton_poi_fused_add",
+        "extern_kernels.mm", "cpp_fused_clone_transpose_view",
+    ]  # fmt: skip
+    out = tmp_path / "k.json"
+    monkeypatch.setattr(sys, "argv", ["x", "--layers", "1", "--q", "1,16", "--json", str(out)])
+    ck.main()
+    launches = json.loads(out.read_text())["launches"]
+    # the matmuls: q/k/v, o, gate/up, down, the head
+    assert launches["1"]["extern_kernels.mm"] == launches["16"]["extern_kernels.mm"] == 5
+    assert sum(launches["16"].values()) > sum(launches["1"].values())
+    assert "| 16 |" in capsys.readouterr().out
+
+
 def _load_script(path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
     monkeypatch.syspath_prepend(str(path.parent))
     spec = importlib.util.spec_from_file_location(f"_script_{path.stem}", path)
