@@ -22,11 +22,14 @@ SHAPES = {
 }  # fmt: skip
 
 
-def random_target(name: str, device: torch.device | str, dtype: torch.dtype) -> TargetModel:
+def random_target(
+    name: str, device: torch.device | str, dtype: torch.dtype, layers: int | None = None
+) -> TargetModel:
+    """`name`'s shape with random weights; `layers`: that many decoder layers instead of the shape's."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(**SHAPES[name])
+    cfg = LlamaConfig(**{**SHAPES[name], **({"num_hidden_layers": layers} if layers else {})})
     cfg._attn_implementation = "sdpa"
     model = LlamaForCausalLM(cfg).to(device=device, dtype=dtype)
     return TargetModel(model, None, name=f"{name} (random weights)")

@@ -318,6 +318,8 @@ def test_schedule_parts_trains_one_schedule_two_rewarmed_runs_and_two_parts_then
 def test_compare_references_finds_where_batched_references_part_and_pairs_tau(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    from flashdraft.eval.references import Reference, _write
+
     cr = _load_script(REPO / "benchmarks/yardstick/compare_references.py", monkeypatch)
     head = {"format": "flashdraft-frozen-references/1", "target": "t", "target_fingerprint": "f", "dtype": "float32",
             "max_new_tokens": 8, "temperature": 0.0, "stop_token_ids": [0]}  # fmt: skip
@@ -327,10 +329,14 @@ def test_compare_references_finds_where_batched_references_part_and_pairs_tau(
                               + "\n" for i, p, t in exact))  # fmt: skip
     cache = tmp_path / "cache"
     batched = {"a": [5, 6, 7], "b": [8, 9, 4, 4], "c": [12]}
+
+    def cached(name: str, **fields: Any) -> None:  # as the reference cache writes an entry
+        ref = Reference(**{"template": "t", "source": "local-native", "temperature": 0.0, "seed": None,
+                           "stop_reason": "length", "key": name, **fields})  # fmt: skip
+        _write(cache / name[:2] / f"{name}.json", ref)
+
     for n, (i, p, _) in enumerate(exact):  # c's reference again with another prompt: not c's
-        ref = {"id": i, "prompt_ids": p if i != "c" else [99], "tokens": batched[i], "temperature": 0.0}
-        (cache / f"{n:02d}").mkdir(parents=True)
-        (cache / f"{n:02d}" / f"{n:02d}key.json").write_text(json.dumps(ref))
+        cached(f"{n:02d}key", id=i, prompt_ids=p if i != "c" else [99], tokens=batched[i])
     reports = []
     for name, taus in (("computed", [2.0, 3.0]), ("frozen", [2.0, 3.5])):
         per = [{"id": i, "tau": {"chain": t, "ddtree-8": 1.5}} for i, t in zip("ab", taus, strict=True)]
@@ -348,8 +354,7 @@ def test_compare_references_finds_where_batched_references_part_and_pairs_tau(
     assert result["tau"]["chain"] == {"prompts": 2, "differ": 1, "max_abs": 0.5, "mean": 0.25}
     assert result["tau"]["ddtree-8"]["differ"] == 0
     assert "1 of 3 prompts token-identical" in capsys.readouterr().out
-    (cache / "02" / "02key.json").write_text(json.dumps({"id": "a", "prompt_ids": [1, 2], "tokens": [5, 6, 0],
-                                                         "temperature": 0.0}))  # fmt: skip
+    cached("02key", id="a", prompt_ids=[1, 2], tokens=[5, 6, 0])
     with pytest.raises(SystemExit, match="two greedy references of prompt a"):
         cr.main()
 

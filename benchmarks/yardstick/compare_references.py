@@ -18,25 +18,26 @@ from pathlib import Path
 from typing import Any
 
 from flashdraft.eval.frozen import read_frozen_records
+from flashdraft.eval.references import Reference, _read
 
 
-def read_cache(folder: Path) -> list[dict[str, Any]]:
-    """Every reference in a cache folder (its `<key[:2]>/<key>.json` files)."""
-    refs = [json.loads(p.read_text()) for p in sorted(folder.glob("*/*.json"))]
+def read_cache(folder: Path) -> list[Reference]:
+    """Every reference in a reference cache folder (`flashdraft eval --cache-dir`), read as the eval reads them."""
+    refs = [r for p in sorted(folder.glob("*/*.json")) if (r := _read(p)) is not None]
     if not refs:
         raise SystemExit(f"{folder}: no cached references (<key[:2]>/<key>.json files)")
     return refs
 
 
-def compare_tokens(frozen: list[dict[str, Any]], cached: list[dict[str, Any]]) -> dict[str, Any]:
-    by_id: dict[tuple[str, tuple[int, ...]], dict[str, Any]] = {}
+def compare_tokens(frozen: list[dict[str, Any]], cached: list[Reference]) -> dict[str, Any]:
+    by_id: dict[tuple[str, tuple[int, ...]], Reference] = {}
     for r in cached:
-        if r.get("temperature", 0.0) != 0:
+        if r.temperature != 0:
             continue  # sampled references are not the greedy ones a frozen file holds
-        key = (r["id"], tuple(r["prompt_ids"]))
-        if key in by_id and by_id[key]["tokens"] != r["tokens"]:
+        key = (r.id, tuple(r.prompt_ids))
+        if key in by_id and by_id[key].tokens != r.tokens:
             raise SystemExit(
-                f"the cache holds two greedy references of prompt {r['id']} (other settings?): "
+                f"the cache holds two greedy references of prompt {r.id} (other settings?): "
                 "point --cache at one run's cache folder"
             )
         by_id[key] = r
@@ -46,7 +47,7 @@ def compare_tokens(frozen: list[dict[str, Any]], cached: list[dict[str, Any]]) -
         if c is None:
             missing.append(f["id"])
             continue
-        a, b = f["tokens"], c["tokens"]
+        a, b = f["tokens"], c.tokens
         if a == b:
             equal += 1
             continue
@@ -56,7 +57,7 @@ def compare_tokens(frozen: list[dict[str, Any]], cached: list[dict[str, Any]]) -
         )
     return {"prompts": len(frozen), "equal": equal, "parted": parted, "missing": missing,
             "tokens_exact": sum(len(f["tokens"]) for f in frozen),
-            "tokens_batched": sum(len(c["tokens"]) for c in cached)}  # fmt: skip
+            "tokens_batched": sum(len(c.tokens) for c in cached)}  # fmt: skip
 
 
 def per_sample(report: Path) -> tuple[str, dict[str, dict[str, float]]]:
